@@ -1,0 +1,182 @@
+"""The background thread's per-batch work: move every leaf of a batch to the device."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gpufeed import _nvtx
+from gpufeed._tree import flatten
+from gpufeed.staging import DEFAULT_FILL_BYTES, Chunk, ChunkPipeline, PinnedPool, plan_leaf_chunks, warn_pageable
+from gpufeed.stats import PrefetchStats
+
+
+@dataclass
+class WithState:
+    """A batch fetched from a stateful loader, with the loader's state right after fetching it."""
+
+    batch: Any
+    state: Any
+
+
+@dataclass
+class Delivered:
+    """A batch on the device, ready to hand over once the consumer's stream waits on ``event``."""
+
+    batch: Any
+    event: torch.cuda.Event | None = None
+    fresh: list[torch.Tensor] = field(default_factory=list)  # device tensors this prefetcher allocated
+    state: Any = None
+    index: int = 0
+
+    def handover(self, expected: torch.cuda.Stream | None) -> Any:
+        """Make the consumer's current stream wait on this batch's event only, then return the batch."""
+        if self.event is not None:
+            stream = torch.cuda.current_stream(self.event_device)
+            stream.wait_event(self.event)
+            if stream != expected:  # consumer switched streams since the epoch started: fence it too
+                for t in self.fresh:
+                    t.record_stream(stream)
+        return self.batch
+
+    event_device: torch.device | None = None
+
+
+class Copier:
+    """Moves batches to ``device``: pinned tensors directly, pageable ones through the pinned pool.
+
+    Lives in the background thread. Device tensors are allocated on the copy stream and recorded
+    on the consumer's stream before the batch is handed over (see :class:`CudaPrefetcher`).
+    """
+
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None, pipeline: ChunkPipeline,
+                 pool: PinnedPool, stats: PrefetchStats, transform: Callable[[Any], Any] | None) -> None:
+        self.device = device
+        self.stream = stream
+        self.pipeline = pipeline
+        self.pool = pool
+        self.stats = stats
+        self.transform = transform
+        self._timings: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event]] = collections.deque()
+        self._retire: collections.deque[tuple[torch.cuda.Event, list[torch.Tensor]]] = collections.deque()
+        self._warned = False
+
+    def deliver(self, raw: Any, index: int, stop: threading.Event,
+                consumer: torch.cuda.Stream | None) -> Delivered:
+        state = None
+        if isinstance(raw, WithState):
+            raw, state = raw.batch, raw.state
+        read = getattr(raw, "gpufeed_read", None)
+        if read is not None:  # a source-mode batch: the source reads into our buffers
+            out = read(self, stop)
+        elif self.stream is None:
+            out = self._to_cpu(raw)
+        else:
+            out = self._to_cuda(raw, stop)
+        out.state, out.index = state, index
+        if self.stream is not None:
+            out.event_device = self.device
+            for t in out.fresh:
+                t.record_stream(consumer)
+        return out
+
+    # -- CPU path ----------------------------------------------------------------------------------
+
+    def _to_cpu(self, raw: Any) -> Delivered:
+        leaves, rebuild = flatten(raw)
+        moved = [t if t.device.type == "cpu" else t.cpu() for t in leaves]
+        self.stats.add(bytes=sum(t.numel() * t.element_size() for t in moved))
+        batch = rebuild(moved)
+        if self.transform is not None:
+            with _nvtx.range("gpufeed.transform"):
+                batch = self.transform(batch)
+        return Delivered(batch)
+
+    # -- CUDA path ---------------------------------------------------------------------------------
+
+    def _to_cuda(self, raw: Any, stop: threading.Event) -> Delivered:
+        leaves, rebuild = flatten(raw)
+        out: list[torch.Tensor] = []
+        fresh: list[torch.Tensor] = []
+        keep: list[torch.Tensor] = []
+        chunks: list[Chunk] = []
+        nbytes = staged = 0
+        with torch.cuda.stream(self.stream), _nvtx.range("gpufeed.copy"):
+            start = self._begin()
+            for t in leaves:
+                if t.device == self.device:
+                    out.append(t)  # already there: not copied again
+                    continue
+                dst = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                out.append(dst)
+                fresh.append(dst)
+                n = t.numel() * t.element_size()
+                nbytes += n
+                if n == 0:
+                    continue
+                if t.is_cuda or t.is_pinned():
+                    dst.copy_(t, non_blocking=True)
+                    keep.append(t)
+                elif self._pinned_ok():
+                    src = t.contiguous()
+                    keep.append(src)
+                    chunks += plan_leaf_chunks(src, dst, self.pool.chunk_bytes, DEFAULT_FILL_BYTES)
+                    staged += n
+                else:
+                    dst.copy_(t)  # pageable fallback, still off the consumer's thread
+            t0 = time.perf_counter()
+            with _nvtx.range("gpufeed.stage"):
+                self.pipeline.run(chunks, stop)
+            stage_s = time.perf_counter() - t0
+            batch = rebuild(out)
+            if self.transform is not None:
+                with _nvtx.range("gpufeed.transform"):
+                    batch = self.transform(batch)
+                fresh = [t for t in flatten(batch)[0] if t.device == self.device]
+            event = self._end(start, keep)
+        self.stats.add(bytes=nbytes, staged_bytes=staged, stage_s=stage_s if chunks else 0.0)
+        return Delivered(batch, event, fresh)
+
+    def _pinned_ok(self) -> bool:
+        if self.pool.available:
+            return True
+        if not self._warned:
+            self._warned = True
+            warn_pageable("pinned_budget is 0" if self.pool.budget == 0 else "pinned allocation failed")
+        return False
+
+    def _begin(self) -> torch.cuda.Event:
+        self._collect()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(self.stream)
+        return start
+
+    def _end(self, start: torch.cuda.Event, keep: list[torch.Tensor]) -> torch.cuda.Event:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self.stream)
+        self._timings.append((start, end))
+        if keep:  # host tensors the copy engine reads: alive until the copy completed
+            self._retire.append((end, keep))
+        return end
+
+    def _collect(self, wait: bool = False) -> None:
+        """Account copy times of batches whose copies completed; free host tensors they read."""
+        while self._timings and (wait or self._timings[0][1].query()):
+            start, end = self._timings.popleft()
+            end.synchronize()
+            self.stats.add(copy_s=start.elapsed_time(end) / 1e3)
+        while self._retire and (wait or self._retire[0][0].query()):
+            self._retire.popleft()[0].synchronize()
+
+    def finish(self) -> None:
+        if self.stream is not None:
+            try:
+                self._collect(wait=True)
+            except Exception:
+                pass

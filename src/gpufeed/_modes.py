@@ -1,0 +1,217 @@
+"""The two things a prefetcher can wrap: an iterable (a loader) or a BatchSource."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from gpufeed._copier import Copier, Delivered, WithState
+from gpufeed.staging import DEFAULT_FILL_BYTES, Chunk, byte_view, split
+
+
+def make_mode(source: Any, pf: Any, **kw: Any) -> Any:
+    from gpufeed.sources.base import BatchSource
+
+    if isinstance(source, BatchSource) and not isinstance(source, Iterable):
+        return SourceMode(source, pf, **kw)
+    if kw.get("batch_size") is not None or kw.get("shuffle"):
+        raise ValueError(
+            "batch_size/shuffle/drop_last/seed/rank/world_size apply to a BatchSource; "
+            f"{type(source).__name__} is an iterable that batches itself (set them on your DataLoader)"
+        )
+    return IterableMode(source)
+
+
+def _forward_set_epoch(loader: Any, epoch: int) -> None:
+    seen: set[int] = set()
+    for obj in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
+                getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        fn = getattr(obj, "set_epoch", None)
+        if obj is not None and callable(fn) and id(obj) not in seen:
+            seen.add(id(obj))
+            fn(epoch)
+
+
+class IterableMode:
+    """Wraps a loader: any re-iterable, or a zero-argument callable that returns a fresh iterable."""
+
+    def __init__(self, loader: Any) -> None:
+        is_factory = callable(loader) and not isinstance(loader, Iterable)
+        if not is_factory and not isinstance(loader, Iterable):
+            raise ValueError(
+                f"CudaPrefetcher needs an iterable (a DataLoader, a list), a callable returning one, "
+                f"or a BatchSource; got {type(loader).__name__}"
+            )
+        self.source = loader
+        self._factory = loader if is_factory else None
+        self.stateful = callable(getattr(loader, "state_dict", None)) and callable(
+            getattr(loader, "load_state_dict", None))
+
+    def length(self) -> int:
+        try:
+            return len(self.source)
+        except TypeError:
+            raise TypeError(f"the wrapped {type(self.source).__name__} has no len()") from None
+
+    def set_epoch(self, epoch: int, implicit: bool = False) -> None:
+        if not implicit:  # like a DataLoader: a sampler's epoch changes only when set_epoch is called
+            _forward_set_epoch(self.source, epoch)
+
+    def batches(self, epoch: int, start: int = 0) -> Iterable[Any]:
+        if self._factory is not None:
+            return _Lazy(self._factory)
+        if self.stateful:
+            return _with_state(self.source)
+        return self.source
+
+    def close(self) -> None:
+        pass
+
+
+class _Lazy:
+    def __init__(self, factory: Any) -> None:
+        self.factory = factory
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.factory())
+
+
+def _with_state(loader: Any) -> Iterator[WithState]:
+    for batch in loader:
+        yield WithState(batch, loader.state_dict())
+
+
+class SourceMode:
+    """Wraps a BatchSource: gpufeed samples, batches, shards and reads it into its own buffers."""
+
+    def __init__(self, source: Any, pf: Any, *, batch_size: int | None, shuffle: bool | str, drop_last: bool,
+                 seed: int, rank: int | None, world_size: int | None, pad: bool) -> None:
+        if batch_size is None or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"a BatchSource needs batch_size=N (an int >= 1), got {batch_size!r}")
+        if shuffle not in (False, True, "blocks"):
+            raise ValueError(f"shuffle must be False, True or 'blocks', got {shuffle!r}")
+        if rank is None and world_size is None and _dist_ready():
+            rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        rank, world_size = rank or 0, world_size or 1
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        self.source = source
+        self.config = dict(batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=int(seed),
+                           rank=rank, world_size=world_size, pad=pad)
+        self.stateful = True
+        self._epoch = 0
+
+    def _plan(self, epoch: int) -> list[Any]:
+        from gpufeed.sources.sampling import plan_batches
+
+        c = self.config
+        return plan_batches(len(self.source), c["batch_size"], shuffle=c["shuffle"], drop_last=c["drop_last"],
+                            seed=c["seed"], epoch=epoch, rank=c["rank"], world_size=c["world_size"],
+                            pad=c["pad"])
+
+    def length(self) -> int:
+        return len(self._plan(self._epoch))
+
+    def set_epoch(self, epoch: int, implicit: bool = False) -> None:
+        self._epoch = epoch
+
+    def batches(self, epoch: int, start: int = 0) -> Iterator[WithState]:
+        plan = self._plan(epoch)
+        for i in range(start, len(plan)):
+            yield WithState(SourceBatch(self.source, plan[i]), {"epoch": epoch, "batch": i + 1})
+
+    def close(self) -> None:
+        close = getattr(self.source, "close", None)
+        if callable(close):
+            close()
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+class SourceBatch:
+    """One batch of a BatchSource: which rows; the copier calls :meth:`gpufeed_read` to read them."""
+
+    def __init__(self, source: Any, rows: Any) -> None:
+        self.source = source
+        self.rows = rows
+
+    def gpufeed_read(self, copier: Copier, stop: threading.Event) -> Delivered:
+        fields = self.source.fields
+        n = len(self.rows)
+        dev = copier.device if copier.stream is not None else torch.device("cpu")
+        reads_to = getattr(self.source, "reads_to", "host")
+        nbytes = n * sum(f.sample_nbytes for f in fields.values())
+        with torch.cuda.stream(copier.stream) if copier.stream is not None else _null():
+            start = copier._begin() if copier.stream is not None else None
+            out = {k: torch.empty((n, *f.shape), dtype=f.dtype, device=dev) for k, f in fields.items()}
+            if dev.type == "cpu" or reads_to == "device":
+                if dev.type == "cuda":
+                    copier.stream.synchronize()  # fence: no queued copy-stream work still touches these blocks
+                self._read_direct(copier, out, stop)
+            else:
+                copier.pipeline.run(self._chunks(out, copier.pool.chunk_bytes), stop)
+            batch: Any = out
+            if copier.transform is not None:
+                batch = copier.transform(batch)
+            fresh = [t for t in (batch.values() if isinstance(batch, dict) else []) if t.device == dev]
+            event = copier._end(start, []) if start is not None else None
+        copier.stats.add(bytes=nbytes)
+        return Delivered(batch, event, fresh)
+
+    def _row_pieces(self, row_bytes: int, piece_bytes: int) -> list[tuple[int, int]]:
+        per = max(1, piece_bytes // max(1, row_bytes))
+        return [(a, a + k) for a, k in split(len(self.rows), per)]
+
+    def _read_direct(self, copier: Copier, out: dict[str, torch.Tensor], stop: threading.Event) -> None:
+        row_bytes = sum(t[0].numel() * t.element_size() for t in out.values()) if len(self.rows) else 1
+        pieces = self._row_pieces(row_bytes, DEFAULT_FILL_BYTES * 4)
+        futs = [copier.pipeline.executor.submit(self.source.read, self.rows[a:b],
+                                                {k: t[a:b] for k, t in out.items()}) for a, b in pieces]
+        for f in futs:
+            f.result()
+
+    def _chunks(self, out: dict[str, torch.Tensor], chunk_bytes: int) -> list[Chunk]:
+        fields = self.source.fields
+        row_bytes = sum(f.sample_nbytes for f in fields.values())
+        chunks = []
+        for r0, r1 in self._row_pieces(row_bytes, chunk_bytes):
+            copies, off = [], 0
+            for k, f in fields.items():
+                m = (r1 - r0) * f.sample_nbytes
+                copies.append((byte_view(out[k])[r0 * f.sample_nbytes : r1 * f.sample_nbytes], off, m))
+                off += m
+            fills = [self._fill(r0, r1, a, b) for a, b in self._sub(r0, r1, row_bytes)]
+            chunks.append(Chunk((r1 - r0) * row_bytes, fills, copies))
+        return chunks
+
+    def _sub(self, r0: int, r1: int, row_bytes: int) -> list[tuple[int, int]]:
+        per = max(1, DEFAULT_FILL_BYTES // max(1, row_bytes))
+        return [(r0 + a, r0 + a + k) for a, k in split(r1 - r0, per)]
+
+    def _fill(self, r0: int, r1: int, a: int, b: int) -> Any:
+        """Read rows ``[a, b)`` into their place in a chunk buffer holding rows ``[r0, r1)``, field after field."""
+        fields = self.source.fields
+        rows = self.rows[a:b]
+
+        def fill(buf: torch.Tensor) -> None:
+            views, off = {}, 0
+            for k, f in fields.items():
+                base = off + (a - r0) * f.sample_nbytes
+                views[k] = buf[base : base + (b - a) * f.sample_nbytes].view(f.dtype).view(b - a, *f.shape)
+                off += (r1 - r0) * f.sample_nbytes
+            self.source.read(rows, views)
+
+        return fill
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None

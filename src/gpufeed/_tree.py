@@ -1,0 +1,93 @@
+"""Flatten a batch of any structure into its leaves, and rebuild the same structure around new leaves.
+
+Tensors and numpy arrays are leaves that move; everything else (str, int, None, custom objects)
+passes through untouched. Types are preserved: a namedtuple stays that namedtuple, a dataclass the
+same dataclass, an OrderedDict an OrderedDict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+#: A compiled rebuild function: takes the new leaves (in flatten order) and returns the batch.
+Rebuild = Callable[[Sequence[Any]], Any]
+
+
+def flatten(batch: Any) -> tuple[list[torch.Tensor], Rebuild]:
+    """Return the batch's tensors (numpy arrays converted, zero-copy) and a function that rebuilds it.
+
+    Example:
+        >>> leaves, rebuild = flatten({"x": torch.ones(2), "n": 3})
+        >>> rebuild([t * 2 for t in leaves])
+        {'x': tensor([2., 2.]), 'n': 3}
+    """
+    leaves: list[torch.Tensor] = []
+    build = _compile(batch, leaves)
+    return leaves, build
+
+
+def _compile(obj: Any, leaves: list[torch.Tensor]) -> Rebuild:
+    if isinstance(obj, torch.Tensor):
+        return _leaf(obj, leaves)
+    if isinstance(obj, np.ndarray) and obj.dtype != object:
+        return _leaf(torch.from_numpy(np.ascontiguousarray(obj)), leaves)
+    if isinstance(obj, Mapping):
+        return _compile_mapping(obj, leaves)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        parts = [_compile(v, leaves) for v in obj]
+        cls = type(obj)
+        return lambda new: cls(*(p(new) for p in parts))
+    if isinstance(obj, (list, tuple)):
+        parts = [_compile(v, leaves) for v in obj]
+        cls = type(obj)
+        if cls in (list, tuple):
+            return lambda new: cls(p(new) for p in parts)
+        return lambda new: _rebuild_sequence(obj, [p(new) for p in parts])
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return _compile_dataclass(obj, leaves)
+    return lambda new: obj
+
+
+def _leaf(tensor: torch.Tensor, leaves: list[torch.Tensor]) -> Rebuild:
+    i = len(leaves)
+    leaves.append(tensor)
+    return lambda new: new[i]
+
+
+def _compile_mapping(obj: Mapping, leaves: list[torch.Tensor]) -> Rebuild:
+    keys = list(obj.keys())
+    parts = [_compile(obj[k], leaves) for k in keys]
+    cls = type(obj)
+    if cls is dict:
+        return lambda new: {k: p(new) for k, p in zip(keys, parts)}
+
+    def rebuild(new: Sequence[Any]) -> Any:
+        items = [(k, p(new)) for k, p in zip(keys, parts)]
+        try:
+            return cls(items)  # OrderedDict, defaultdict-less Mappings built from pairs
+        except TypeError:
+            return dict(items)
+
+    return rebuild
+
+
+def _rebuild_sequence(original: Sequence, items: list[Any]) -> Any:
+    try:
+        return type(original)(items)
+    except TypeError:
+        return list(items)
+
+
+def _compile_dataclass(obj: Any, leaves: list[torch.Tensor]) -> Rebuild:
+    names = [f.name for f in dataclasses.fields(obj) if f.init]
+    parts = [_compile(getattr(obj, n), leaves) for n in names]
+
+    def rebuild(new: Sequence[Any]) -> Any:
+        return dataclasses.replace(obj, **{n: p(new) for n, p in zip(names, parts)})
+
+    return rebuild

@@ -1,0 +1,335 @@
+"""CudaPrefetcher: wrap any loader so that every batch arrives already on the GPU."""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from gpufeed import _nvtx, _worker
+from gpufeed._copier import Copier, Delivered
+from gpufeed.staging import DEFAULT_CHUNK_BYTES, DEFAULT_PINNED_BUDGET, ChunkPipeline, PinnedPool
+from gpufeed.stats import PrefetchStats
+
+_LIVE: weakref.WeakSet[CudaPrefetcher] = weakref.WeakSet()
+_JOIN_S = 5.0
+
+
+class CudaPrefetcher:
+    """Yield the batches of ``source`` with every tensor already on ``device``.
+
+    Wraps any iterable (a DataLoader, a list, a callable that returns a fresh iterable each epoch)
+    or a :class:`~gpufeed.BatchSource`. A background thread pulls batches ahead of the consumer;
+    tensors that are not pinned are copied in parallel chunks into a reused pinned pool and from
+    there to the device on one dedicated copy stream, while the consumer computes on its own stream.
+
+    Stream and memory invariants:
+
+    * One copy stream serves the prefetcher's whole life (not one per epoch).
+    * Each batch's copies (and ``transform``) are followed by one event on the copy stream;
+      ``__next__`` makes the consumer's current stream wait on that event only.
+    * Device tensors of a batch are allocated on the copy stream and ``record_stream``-ed to the
+      consumer's stream, so the caching allocator never hands their memory to a later copy while
+      kernels of the consumer may still read it - even when the user keeps the batch.
+    * A pinned staging buffer is refilled only after the event behind the copy that read it completed
+      (:class:`~gpufeed.staging.PinnedPool`).
+    * At most ``depth`` batches are prefetched (copied or being copied) ahead of the batch the consumer
+      holds; ``depth=1`` is double buffering.
+
+    Without CUDA (or with ``device="cpu"``) the same class runs on the CPU: a background thread and
+    no streams, so everything but the CUDA specifics behaves identically.
+
+    Args:
+        source: the loader (any iterable, or a zero-argument callable returning one) or a BatchSource.
+        device: target device; ``None`` means the current CUDA device when CUDA is available, else CPU.
+        depth: batches prefetched ahead of the consumer (>= 1).
+        transform: optional function applied to each batch on the device, on the copy stream.
+        batch_size, shuffle, drop_last, seed, rank, world_size, pad: source mode only (see
+            :func:`gpufeed.sources.plan_batches`).
+        num_threads: worker threads that fill pinned buffers (memcpy or source reads).
+        pinned_budget: bytes of pinned memory the pool may hold (0 disables pinned staging).
+        chunk_bytes: size of one staging chunk.
+
+    Example:
+        >>> loader = [{"x": torch.arange(4)}, {"x": torch.arange(4, 8)}]
+        >>> with CudaPrefetcher(loader, device="cpu") as pf:
+        ...     [b["x"].sum().item() for b in pf]
+        [6, 22]
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        device: torch.device | str | int | None = None,
+        depth: int = 2,
+        transform: Callable[[Any], Any] | None = None,
+        *,
+        batch_size: int | None = None,
+        shuffle: bool | str = False,
+        drop_last: bool = False,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        pad: bool = False,
+        num_threads: int | None = None,
+        pinned_budget: int | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        if not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"depth must be an int >= 1 (batches prefetched ahead), got {depth!r}")
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        if transform is not None and not callable(transform):
+            raise ValueError(f"transform must be callable, got {type(transform).__name__}")
+        self.device = _resolve_device(device)
+        self.depth = depth
+        self.transform = transform
+        self.stats = PrefetchStats()
+        self.epoch = 0
+        self._epoch_set = False
+        self._closed = False
+        self._current: weakref.ref[_EpochIterator] | None = None
+        self._lock = threading.Lock()
+        self.num_threads = num_threads or min(16, os.cpu_count() or 1)
+        self._mode = _make_mode(source, self, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
+                                seed=seed, rank=rank, world_size=world_size, pad=pad)
+        self._cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        budget = DEFAULT_PINNED_BUDGET if pinned_budget is None else int(pinned_budget)
+        self._pool = PinnedPool(budget, chunk_bytes, pin=self._cuda)
+        self._executor: ThreadPoolExecutor | None = None
+        _LIVE.add(self)
+
+    # -- drop-in surface ---------------------------------------------------------------------------
+
+    @property
+    def source(self) -> Any:
+        return self._mode.source
+
+    def __len__(self) -> int:
+        return self._mode.length()
+
+    def __getattr__(self, name: str) -> Any:
+        # dataset, sampler, batch_size, collate_fn ... read through to the wrapped loader.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._mode.source, name)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch of the next iteration, forwarded to the loader, its sampler and batch sampler."""
+        self.epoch = int(epoch)
+        self._epoch_set = True
+        self._mode.set_epoch(self.epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._closed:
+            raise RuntimeError("this CudaPrefetcher is closed; create a new one to iterate again")
+        with self._lock:
+            previous = self._current() if self._current is not None else None
+            if previous is not None:
+                previous._shutdown("a new iteration of the same CudaPrefetcher started")
+            if not self._epoch_set and previous is not None:
+                self.epoch += 1
+                self._mode.set_epoch(self.epoch, implicit=True)
+            self._epoch_set = False
+            it = _EpochIterator(self, self._mode.batches(self.epoch))
+            self._current = weakref.ref(it)
+        return it
+
+    # -- lifetime ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the background thread, free pinned and device buffers; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        it = self._current() if self._current is not None else None
+        if it is not None:
+            it._shutdown("the CudaPrefetcher was closed")
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+        self._pool.clear()
+        self._mode.close()
+
+    def __enter__(self) -> CudaPrefetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- used by the background thread -------------------------------------------------------------
+
+    def _pipeline(self) -> ChunkPipeline:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.num_threads, thread_name_prefix="gpufeed-fill")
+        return ChunkPipeline(self._pool, self._executor, self._stream, max_in_flight=2 * self.num_threads)
+
+    def _copier(self) -> Copier:
+        return Copier(self.device, self._stream, self._pipeline(), self._pool, self.stats, self.transform)
+
+
+class _EpochIterator:
+    """One epoch: a background thread producing :class:`Delivered` batches into a queue.
+
+    The thread holds no reference to this object or to the prefetcher, so ``break``, ``del`` and
+    garbage collection of the iterator stop it (a finalizer sets the stop flag and joins).
+    """
+
+    def __init__(self, pf: CudaPrefetcher, batches: Iterable[Any]) -> None:
+        self._pf = pf  # keeps the prefetcher (stream, pool) alive while an epoch runs
+        self._queue: queue.Queue = queue.Queue()
+        self._slots = threading.Semaphore(pf.depth)
+        self._stop = threading.Event()
+        self._done = False
+        self._reason = ""
+        self._last_t: float | None = None
+        self._consumer_stream = torch.cuda.current_stream(pf.device) if pf._cuda else None
+        self.last_state: Any = None
+        args = (batches, pf._copier(), self._queue, self._slots, self._stop, self._consumer_stream)
+        self._thread = threading.Thread(target=_produce, args=args, name="gpufeed-fetch", daemon=True)
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, _stop_thread, self._stop, self._thread, self._queue)
+
+    def __iter__(self) -> _EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            if self._reason:
+                raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
+            raise StopIteration
+        t0 = time.perf_counter()
+        try:
+            item = self._get()
+        except BaseException:  # Ctrl-C while waiting: stop the thread now, not at garbage collection
+            self._shutdown("")
+            raise
+        now = time.perf_counter()
+        self._slots.release()
+        stats = self._pf.stats
+        stats.wait_s += now - t0
+        stats.wall_s += now - (self._last_t if self._last_t is not None else t0)
+        self._last_t = now
+        if isinstance(item, Delivered):
+            stats.batches += 1
+            self.last_state = item.state
+            return item.handover(self._consumer_stream)
+        self._finish()
+        if isinstance(item, _worker.Failure):
+            item.reraise()
+        raise StopIteration
+
+    def _get(self) -> Any:
+        q, thread = self._queue, self._thread
+        while True:
+            try:
+                return q.get(timeout=_worker.POLL_S)
+            except queue.Empty:
+                if not thread.is_alive() and q.empty():
+                    raise RuntimeError("gpufeed's background thread ended without a result") from None
+
+    def _finish(self) -> None:
+        self._done = True
+        self._finalizer()
+
+    def _shutdown(self, reason: str) -> None:
+        self._reason = reason
+        self._finish()
+
+    def close(self) -> None:
+        """Stop this epoch's background thread now."""
+        self._shutdown("closed")
+
+
+def _produce(batches: Iterable[Any], copier: Copier, q: queue.Queue, slots: threading.Semaphore,
+             stop: threading.Event, consumer_stream: torch.cuda.Stream | None) -> None:
+    """The background thread: pull, stage and copy each batch, then put it on the queue."""
+    it = None
+    try:
+        if copier.device.type == "cuda":
+            torch.cuda.set_device(copier.device)
+        it = iter(batches)
+        for index in itertools.count():
+            _worker.check(stop)
+            _worker.acquire(slots, stop)
+            t0 = time.perf_counter()
+            with _nvtx.range("gpufeed.fetch"):
+                raw = next(it, _worker.END)
+            copier.stats.add(fetch_s=time.perf_counter() - t0)
+            if raw is _worker.END:
+                break
+            _worker.put(q, copier.deliver(raw, index, stop, consumer_stream), stop)
+        _worker.put(q, _worker.END, stop)
+    except _worker.Stopped:
+        pass
+    except BaseException as exc:  # forwarded with its traceback; re-raised in the consumer
+        try:
+            _worker.put(q, _worker.Failure(exc), stop)
+        except _worker.Stopped:
+            pass
+    finally:
+        del it  # a DataLoader iterator shuts its workers down here
+        copier.finish()
+
+
+def _stop_thread(stop: threading.Event, thread: threading.Thread, q: queue.Queue) -> None:
+    stop.set()
+    if thread is not threading.current_thread():
+        thread.join(_JOIN_S)
+    while True:  # drop batches nobody will take, so their device memory goes back now
+        try:
+            q.get_nowait()
+        except queue.Empty:
+            break
+
+
+def _resolve_device(device: torch.device | str | int | None) -> torch.device:
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asks for CUDA, but CUDA is not available; use device='cpu'")
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        return torch.device("cuda", index)
+    if dev.type != "cpu":
+        raise ValueError(f"device must be a CUDA device or 'cpu', got {device!r}")
+    return dev
+
+
+def _make_mode(source: Any, pf: CudaPrefetcher, **source_kw: Any) -> Any:
+    from gpufeed._modes import make_mode
+
+    return make_mode(source, pf, **source_kw)
+
+
+@atexit.register
+def _close_all() -> None:
+    for pf in list(_LIVE):
+        try:
+            pf.close()
+        except Exception:
+            pass

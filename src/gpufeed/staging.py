@@ -1,0 +1,251 @@
+"""Staging through pinned memory: a bounded pool of reused pinned buffers and the chunk pipeline.
+
+The pipeline turns a batch into *chunks*. Each chunk is filled into a pinned buffer by a worker
+thread (a ``memcpy`` from pageable memory, or a source's ``read``), then the background thread issues
+its host-to-device copies on the copy stream and records the buffer's event. Worker threads fill
+chunk ``i + 1 ...`` while chunk ``i`` is on the PCIe link, so the two stages overlap.
+
+Invariant (kept by :class:`PinnedPool`): a pinned buffer is handed out again only after the event
+recorded behind the last copy that read it has completed, so a fill never overwrites bytes that
+the copy engine has not yet read. Only the background thread records and queries those events.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+import torch
+
+from gpufeed._worker import Stopped
+
+MiB = 1 << 20
+DEFAULT_CHUNK_BYTES = 16 * MiB
+DEFAULT_FILL_BYTES = 2 * MiB
+DEFAULT_PINNED_BUDGET = 512 * MiB
+
+
+class _Buffer:
+    __slots__ = ("busy", "event", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.event: torch.cuda.Event | None = None  # recorded behind the last copy that read this buffer
+        self.busy = False  # an event was recorded and has not been seen complete
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel()
+
+    def done(self) -> bool:
+        if self.busy and self.event is not None and not self.event.query():
+            return False
+        self.busy = False
+        return True
+
+
+class PinnedPool:
+    """A bounded pool of pinned host buffers, allocated on demand and reused for the prefetcher's life.
+
+    Buffers are allocated lazily (so the pool is sized to the batches seen) in multiples of
+    ``chunk_bytes``; the pool never holds more than ``budget`` bytes, except that a single request
+    larger than the budget is served by one buffer of that size. A buffer is handed out again only
+    after the CUDA event recorded behind its last copy completed (see :meth:`release`).
+
+    Pinned allocation can fail (locked-memory limits, a budget of zero): ``available`` is then False
+    and the prefetcher falls back to pageable copies with one warning.
+
+    Example:
+        >>> pool = PinnedPool(budget=64 << 20, pin=False)
+        >>> buf = pool.acquire(1 << 20, stop=threading.Event())
+        >>> pool.release(buf, record_on=None)
+    """
+
+    def __init__(self, budget: int = DEFAULT_PINNED_BUDGET, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 pin: bool = True) -> None:
+        if budget < 0:
+            raise ValueError(f"pinned_budget must be >= 0 bytes, got {budget}")
+        if chunk_bytes < 4096:
+            raise ValueError(f"chunk_bytes must be >= 4096, got {chunk_bytes}")
+        self.budget = budget
+        self.chunk_bytes = chunk_bytes
+        self.pin = pin
+        self.available = budget > 0
+        self.allocated = 0
+        self.allocations = 0
+        self._free: list[_Buffer] = []
+        self._lock = threading.Lock()
+
+    def acquire(self, nbytes: int, stop: threading.Event) -> _Buffer:
+        """A buffer of at least ``nbytes`` whose previous copy has completed; waits for one if needed."""
+        while True:
+            buf = self.try_acquire(nbytes)
+            if buf is not None:
+                return buf
+            if stop.is_set():
+                raise Stopped
+            time.sleep(20e-6)
+
+    def try_acquire(self, nbytes: int) -> _Buffer | None:
+        """A free buffer of at least ``nbytes`` whose copy completed, a new one within budget, or None."""
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.nbytes >= nbytes and buf.done():
+                    return self._free.pop(i)
+            size = -(-nbytes // self.chunk_bytes) * self.chunk_bytes
+            for buf in [b for b in self._free if b.nbytes < nbytes and b.done()]:
+                if self.allocated + size <= self.budget:
+                    break
+                self._free.remove(buf)  # too small for this request: make room for a bigger one
+                self.allocated -= buf.nbytes
+            if self.allocated + size <= self.budget or (self.allocated == 0 and not self._free):
+                return self._allocate(size)
+            return None  # every buffer is out; one comes back when its copy completes
+
+    def release(self, buf: _Buffer, record_on: torch.cuda.Stream | None) -> None:
+        """Return ``buf``; with ``record_on``, its event is recorded there, behind the copies that read it."""
+        if record_on is not None:
+            if buf.event is None:
+                buf.event = torch.cuda.Event()
+            buf.event.record(record_on)
+            buf.busy = True
+        with self._lock:
+            self._free.append(buf)
+
+    def _allocate(self, size: int) -> _Buffer:
+        tensor = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        self.allocated += size
+        self.allocations += 1
+        return _Buffer(tensor)
+
+    def clear(self) -> None:
+        """Free every buffer that is back in the pool, once its copy completed."""
+        with self._lock:
+            for buf in self._free:
+                if buf.event is not None:
+                    buf.event.synchronize()
+                self.allocated -= buf.nbytes
+            self._free.clear()
+
+
+@dataclass
+class Chunk:
+    """One unit of the pipeline, staged through one pinned buffer of ``nbytes``.
+
+    Each callable of ``fills`` writes its part of the buffer (they run in parallel worker threads and
+    touch disjoint bytes); once all are done, each ``(dst, offset, n)`` of ``copies`` is copied from
+    ``buf[offset:offset+n]`` into the flat uint8 device view ``dst`` on the copy stream.
+    """
+
+    nbytes: int
+    fills: list[Callable[[torch.Tensor], None]]
+    copies: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
+
+
+def memcpy_fill(src_addr: int, offset: int, nbytes: int) -> Callable[[torch.Tensor], None]:
+    """A fill that copies ``nbytes`` from host address ``src_addr`` to ``buf[offset:]``.
+
+    ``ctypes.memmove`` is a foreign call, so it runs without the GIL: fills proceed in parallel.
+    """
+
+    def fill(buf: torch.Tensor) -> None:
+        ctypes.memmove(buf.data_ptr() + offset, src_addr, nbytes)
+
+    return fill
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def split(total: int, piece: int) -> list[tuple[int, int]]:
+    """``[(offset, n), ...]`` covering ``range(total)`` in pieces of at most ``piece``."""
+    return [(off, min(piece, total - off)) for off in range(0, total, piece)]
+
+
+def plan_leaf_chunks(src: torch.Tensor, dst: torch.Tensor, chunk_bytes: int, fill_bytes: int) -> list[Chunk]:
+    """Chunks that stage the contiguous host tensor ``src`` into device tensor ``dst``, byte for byte."""
+    dst_bytes = byte_view(dst)
+    base = src.data_ptr()
+    chunks = []
+    for off, n in split(src.numel() * src.element_size(), chunk_bytes):
+        fills = [memcpy_fill(base + off + o, o, k) for o, k in split(n, fill_bytes)]
+        chunks.append(Chunk(n, fills, [(dst_bytes[off : off + n], 0, n)]))
+    return chunks
+
+
+class ChunkPipeline:
+    """Runs chunks through the pool: fills in worker threads, H2D copies in order on ``stream``.
+
+    At most ``max_in_flight`` fills run ahead of the copies, and the pool's budget bounds them too.
+    Called only from the background thread; the workers never touch CUDA.
+    """
+
+    def __init__(self, pool: PinnedPool, executor: ThreadPoolExecutor, stream: torch.cuda.Stream | None,
+                 max_in_flight: int) -> None:
+        self.pool = pool
+        self.executor = executor
+        self.stream = stream
+        self.max_in_flight = max(1, max_in_flight)
+
+    def run(self, chunks: Sequence[Chunk], stop: threading.Event) -> None:
+        pending: collections.deque[tuple[Chunk, _Buffer, list[Future]]] = collections.deque()
+        todo = collections.deque(chunks)
+        try:
+            while todo or pending:
+                while todo and len(pending) < self.max_in_flight:
+                    # Block for a buffer only when nothing is in flight; else copy what is ready first.
+                    nbytes = todo[0].nbytes
+                    buf = self.pool.try_acquire(nbytes) if pending else self.pool.acquire(nbytes, stop)
+                    if buf is None:
+                        break
+                    chunk = todo.popleft()
+                    futs = [self.executor.submit(fill, buf.tensor) for fill in chunk.fills]
+                    pending.append((chunk, buf, futs))
+                chunk, buf, futs = pending[0]
+                for fut in futs:
+                    _result(fut, stop)
+                pending.popleft()
+                self._copy(chunk, buf)
+        finally:
+            for _, buf, futs in pending:  # on error or stop: let running fills end before reuse
+                for fut in futs:
+                    fut.cancel()
+                for fut in futs:
+                    _result(fut, None, swallow=True)
+                self.pool.release(buf, None)
+
+    def _copy(self, chunk: Chunk, buf: _Buffer) -> None:
+        for dst, off, n in chunk.copies:
+            dst.copy_(buf.tensor[off : off + n], non_blocking=True)
+        self.pool.release(buf, self.stream)
+
+
+def _result(fut: Future, stop: threading.Event | None, swallow: bool = False) -> object:
+    while True:
+        try:
+            return fut.result(timeout=0.05)
+        except FutureTimeout:
+            if stop is not None and stop.is_set():
+                raise Stopped from None
+        except BaseException:
+            if swallow:
+                return None
+            raise
+
+
+def warn_pageable(reason: str) -> None:
+    warnings.warn(
+        f"gpufeed: pinned staging is off ({reason}); falling back to pageable host-to-device copies, "
+        "which are slower and may stall. Raise the locked-memory limit (ulimit -l) or pinned_budget.",
+        RuntimeWarning,
+        stacklevel=3,
+    )

@@ -1,0 +1,80 @@
+"""PrefetchStats: what the prefetcher did, and whether the loop is input-bound."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PrefetchStats:
+    """Counters of one prefetcher, over its whole life (all epochs).
+
+    ``wait_s`` is the time the consumer's thread spent blocked in ``next()`` waiting for a batch;
+    ``stall_fraction`` is that over the wall time since the first ``next()``: near 0 means the GPU
+    never waited for data, near 1 means the loop is input-bound. ``fetch_s``, ``stage_s`` and
+    ``copy_s`` are the background thread's time per stage (pulling from the loader or reading the
+    source; copying pageable memory into pinned buffers; H2D on the copy stream, timed with CUDA events).
+
+    Example:
+        >>> s = PrefetchStats(batches=10, bytes=10 << 20, wait_s=0.01, wall_s=1.0)
+        >>> round(s.stall_fraction, 3)
+        0.01
+    """
+
+    batches: int = 0
+    bytes: int = 0
+    wait_s: float = 0.0
+    wall_s: float = 0.0
+    fetch_s: float = 0.0
+    stage_s: float = 0.0
+    copy_s: float = 0.0
+    staged_bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @property
+    def stall_fraction(self) -> float:
+        return self.wait_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def h2d_GBps(self) -> float:  # noqa: N802 - GB/s reads better than gbps
+        return self.bytes / self.copy_s / 1e9 if self.copy_s > 0 else 0.0
+
+    @property
+    def stage_GBps(self) -> float:  # noqa: N802
+        return self.staged_bytes / self.stage_s / 1e9 if self.stage_s > 0 else 0.0
+
+    @property
+    def throughput_GBps(self) -> float:  # noqa: N802
+        return self.bytes / self.wall_s / 1e9 if self.wall_s > 0 else 0.0
+
+    @property
+    def input_bound(self) -> bool:
+        """True when the consumer waited more than 5% of the time: the GPU starves."""
+        return self.stall_fraction > 0.05
+
+    def add(self, **deltas: float) -> None:
+        """Add to counters from the background thread (thread-safe)."""
+        with self._lock:
+            for k, v in deltas.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def as_dict(self) -> dict[str, float]:
+        keys = ("batches", "bytes", "wait_s", "wall_s", "fetch_s", "stage_s", "copy_s", "staged_bytes")
+        d: dict[str, float] = {k: getattr(self, k) for k in keys}
+        d.update(stall_fraction=self.stall_fraction, h2d_GBps=self.h2d_GBps,
+                 stage_GBps=self.stage_GBps, throughput_GBps=self.throughput_GBps)
+        return d
+
+    def summary(self) -> str:
+        """One line: input-bound or not, and the figures that say why."""
+        verdict = "INPUT-BOUND" if self.input_bound else "ok"
+        return (
+            f"[{verdict}] {self.batches} batches, {self.bytes / 1e9:.2f} GB, consumer waited "
+            f"{self.stall_fraction:.1%} of {self.wall_s:.2f}s; fetch {self.fetch_s:.2f}s, "
+            f"stage {self.stage_s:.2f}s ({self.stage_GBps:.1f} GB/s), copy {self.copy_s:.2f}s "
+            f"({self.h2d_GBps:.1f} GB/s), {self.throughput_GBps:.1f} GB/s delivered"
+        )
+
+    def __str__(self) -> str:
+        return self.summary()
