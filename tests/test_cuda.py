@@ -1,0 +1,133 @@
+"""CUDA specifics, run on the GPU machine (`pytest -m cuda`): streams, events, memory, exact bytes."""
+
+import gc
+
+import pytest
+import torch
+
+from gpufeed import CudaPrefetcher
+
+pytestmark = pytest.mark.cuda
+
+SLEEP_CYCLES = 2_000_000  # about a millisecond of a slow consumer kernel
+
+
+def digest(t):
+    """An exact, order-sensitive checksum computed on the tensor's device (int64 arithmetic)."""
+    b = t.reshape(-1).view(torch.uint8).to(torch.int64)
+    w = torch.arange(1, b.numel() + 1, device=b.device, dtype=torch.int64) % 1_000_003
+    return (b * w).sum()
+
+
+def host_batches(n, kind, seed=0, rows=(64, 4096)):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        r = int(torch.randint(rows[0], rows[1], (1,), generator=g))
+        b = {"x": torch.randn(r, 33, generator=g), "y": torch.randint(0, 2**62, (r,), generator=g),
+             "m": torch.rand(r, 7, generator=g) > 0.5, "h": torch.randn(r, 3, generator=g).half(), "i": i}
+        if kind == "pinned":
+            b = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+        elif kind == "device":
+            b = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+        out.append(b)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["unpinned", "pinned", "device"])
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+def test_bit_exact_under_a_slow_consumer(kind, depth):
+    data = host_batches(24, kind, seed=depth)
+    expected = [{k: digest(v.cuda()).item() for k, v in b.items() if k != "i"} for b in data]
+    torch.cuda.synchronize()
+    seen = []
+    with CudaPrefetcher(data, depth=depth, chunk_bytes=64 << 10) as pf:
+        for _ in range(2):
+            got = []
+            for b in pf:
+                torch.cuda._sleep(SLEEP_CYCLES)  # the consumer's stream is busy; copies run ahead
+                got.append({k: digest(v) for k, v in b.items() if k != "i"})  # read after the sleep
+                seen.append(b["i"])
+                del b  # memory goes back to the allocator while the digest kernels may still run
+            assert [{k: v.item() for k, v in g.items()} for g in got] == expected
+    assert seen == list(range(24)) * 2
+    assert pf.stats.batches == 48
+
+
+def test_kept_batches_stay_intact():
+    data = host_batches(16, "unpinned", seed=7)
+    with CudaPrefetcher(data, depth=2, chunk_bytes=64 << 10) as pf:
+        kept = list(pf)
+    torch.cuda.synchronize()
+    for b, d in zip(kept, data):
+        for k in ("x", "y", "m", "h"):
+            assert torch.equal(b[k].cpu(), d[k]), k
+
+
+def test_consumer_on_a_side_stream_is_fenced():
+    data = host_batches(12, "unpinned", seed=3)
+    expected = [digest(b["x"].cuda()).item() for b in data]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side), CudaPrefetcher(data, depth=2, chunk_bytes=64 << 10) as pf:
+        got = []
+        for b in pf:
+            torch.cuda._sleep(SLEEP_CYCLES)
+            got.append(digest(b["x"]))
+    assert [g.item() for g in got] == expected
+
+
+def test_one_copy_stream_and_flat_memory_over_20_epochs():
+    data = host_batches(8, "unpinned", seed=1, rows=(2048, 2049))
+    pf = CudaPrefetcher(data, depth=3)
+    stream = pf._stream
+    marks = []
+    for epoch in range(20):
+        for b in pf:
+            torch.cuda._sleep(100_000)
+            b["x"].sum()
+        torch.cuda.synchronize()
+        gc.collect()
+        marks.append((torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), pf._pool.allocated,
+                      pf._pool.allocations))
+        assert pf._stream is stream
+    assert len(set(marks[1:])) == 1, marks  # flat after the first epoch
+    assert marks[-1][0] == marks[1][0]
+    pf.close()
+    assert pf._pool.allocated == 0
+
+
+def test_device_defaults_to_the_current_cuda_device_and_transform_runs_there():
+    data = [torch.arange(256, dtype=torch.uint8).view(16, 16) for _ in range(4)]
+    with CudaPrefetcher(data, transform=lambda t: t.float().div_(255)) as pf:
+        assert pf.device == torch.device("cuda", torch.cuda.current_device())
+        out = list(pf)
+    assert all(o.is_cuda and o.dtype == torch.float32 for o in out)
+    assert torch.equal(out[0].cpu(), data[0].float() / 255)
+
+
+def test_pinned_budget_zero_falls_back_with_one_warning():
+    data = host_batches(4, "unpinned", seed=5)
+    with pytest.warns(RuntimeWarning, match="pinned staging is off") as rec:
+        with CudaPrefetcher(data, pinned_budget=0) as pf:
+            got = list(pf)
+    assert len([w for w in rec if "pinned staging" in str(w.message)]) == 1
+    assert all(torch.equal(g["x"].cpu(), d["x"]) for g, d in zip(got, data))
+
+
+def test_large_batch_bigger_than_the_pinned_budget():
+    x = torch.randn(64 << 20 >> 2)  # 64 MiB through a 16 MiB pool
+    with CudaPrefetcher([x], pinned_budget=16 << 20, chunk_bytes=4 << 20) as pf:
+        (y,) = list(pf)
+        assert pf._pool.allocated <= 16 << 20
+    assert torch.equal(y.cpu(), x)
+
+
+def test_stats_time_the_copies():
+    data = host_batches(8, "unpinned", seed=9, rows=(8192, 8193))
+    with CudaPrefetcher(data) as pf:
+        list(pf)
+        torch.cuda.synchronize()
+    s = pf.stats
+    assert s.batches == 8 and s.bytes == sum(
+        v.numel() * v.element_size() for b in data for v in b.values() if isinstance(v, torch.Tensor))
+    assert s.copy_s > 0 and s.h2d_GBps > 0.5

@@ -1,0 +1,381 @@
+"""CudaPrefetcher on its CPU path (and the CUDA path on the GPU machine, through the device fixture)."""
+
+import collections
+import dataclasses
+import gc
+import random
+import threading
+import time
+from collections import OrderedDict, namedtuple
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import gpufeed_threads, wait_no_threads
+from gpufeed import CudaPrefetcher, PrefetchStats
+
+Pair = namedtuple("Pair", "a b")
+
+
+@dataclasses.dataclass
+class Sample:
+    x: torch.Tensor
+    label: str
+    meta: dict
+
+
+class Opaque:
+    pass
+
+
+def batches(n, seed=0, rows=None):
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        r = rows or rng.randint(1, 17)
+        out.append({"x": torch.randn(r, 5, generator=g), "y": torch.randint(0, 1000, (r,), generator=g), "i": i})
+    return out
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
+    if isinstance(a, np.ndarray):
+        return isinstance(b, torch.Tensor) and torch.equal(torch.from_numpy(a), b.cpu())
+    if isinstance(a, dict):
+        return type(a) is type(b) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if dataclasses.is_dataclass(a):
+        return type(a) is type(b) and all(same(getattr(a, f.name), getattr(b, f.name))
+                                          for f in dataclasses.fields(a))
+    return a is b or a == b
+
+
+# -- structures ----------------------------------------------------------------------------------
+
+def test_every_structure_is_rebuilt_with_its_types(device):
+    obj = Opaque()
+    batch = {
+        "t": torch.arange(6).view(2, 3),
+        "tuple": (torch.ones(2), 3, None),
+        "list": [torch.zeros(1, dtype=torch.bool), "s"],
+        "od": OrderedDict(b=torch.tensor([1.5]), a=np.arange(3, dtype=np.int16)),
+        "nt": Pair(torch.tensor([7]), Pair(np.float32([1, 2]), "x")),
+        "dc": Sample(torch.ones(2, 2, dtype=torch.float64), "lab", {"deep": [(torch.tensor(9),)]}),
+        "obj": obj,
+        "bf16": torch.randn(4).to(torch.bfloat16),
+        "empty": torch.empty(0, 3),
+        "noncontig": torch.arange(12).view(3, 4).t(),
+    }
+    with CudaPrefetcher([batch], device=device) as pf:
+        (got,) = list(pf)
+    assert same(batch, got)
+    assert got["obj"] is obj
+    assert type(got["od"]) is OrderedDict and list(got["od"]) == ["b", "a"]
+    assert type(got["nt"]) is Pair and type(got["nt"].b) is Pair
+    assert isinstance(got["od"]["a"], torch.Tensor) and got["od"]["a"].dtype == torch.int16
+    for t in (got["t"], got["dc"].x, got["nt"].b.a, got["bf16"], got["noncontig"]):
+        assert t.device.type == device.type
+    assert got["noncontig"].shape == (4, 3)
+
+
+def test_plain_tensors_and_scalars_pass(device):
+    data = [torch.arange(3), 5, "text", None]
+    with CudaPrefetcher(data, device=device) as pf:
+        got = list(pf)
+    assert torch.equal(got[0].cpu(), torch.arange(3)) and got[1:] == [5, "text", None]
+
+
+# -- exact delivery ------------------------------------------------------------------------------
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(0, 12), depth=st.integers(1, 4), seed=st.integers(0, 10_000),
+       delays=st.lists(st.floats(0, 0.003), min_size=1, max_size=5))
+def test_every_batch_exactly_once_in_order(n, depth, seed, delays):
+    data = batches(n, seed)
+    with CudaPrefetcher(data, device="cpu", depth=depth) as pf:
+        got = []
+        for k, b in enumerate(pf):
+            time.sleep(delays[k % len(delays)])  # a consumer of random speed
+            got.append(b)
+    assert len(got) == n
+    assert [b["i"] for b in got] == list(range(n))
+    assert all(same(a, b) for a, b in zip(data, got))
+    assert pf.stats.batches == n
+
+
+def test_exact_bytes_through_a_dataloader_with_workers(device):
+    ds = torch.utils.data.TensorDataset(torch.arange(1000 * 3).view(1000, 3), torch.arange(1000))
+    loader = torch.utils.data.DataLoader(ds, batch_size=64, num_workers=2)
+    with CudaPrefetcher(loader, device=device, depth=3) as pf:
+        assert len(pf) == 16
+        for _ in range(2):  # re-iterable per epoch
+            xs = [x.cpu() for x, _ in pf]
+            assert torch.equal(torch.cat(xs), ds.tensors[0])
+
+
+def test_depth_bounds_batches_ahead_of_the_consumer():
+    pulled = []
+
+    def loader():
+        for i in range(20):
+            pulled.append(i)
+            yield torch.tensor([i])
+
+    for depth in (1, 2, 4):
+        pulled.clear()
+        with CudaPrefetcher(loader, device="cpu", depth=depth) as pf:
+            it = iter(pf)
+            first = next(it)
+            time.sleep(0.2)  # let the thread run as far ahead as it may
+            assert first.item() == 0
+            assert len(pulled) == 1 + depth, (depth, pulled)
+
+
+def test_consumer_wait_is_counted():
+    def slow():
+        for i in range(5):
+            time.sleep(0.02)
+            yield torch.tensor([i])
+
+    with CudaPrefetcher(slow, device="cpu") as pf:
+        list(pf)
+    s = pf.stats
+    assert s.batches == 5 and s.bytes == 5 * 8
+    assert 0.5 < s.stall_fraction <= 1.0
+    assert s.input_bound and "INPUT-BOUND" in s.summary()
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+class Boom(Exception):
+    pass
+
+
+def failing(at):
+    def gen():
+        for i in range(10):
+            if i == at:
+                raise Boom(f"at {i}")
+            yield torch.tensor([i])
+
+    return gen
+
+
+@pytest.mark.parametrize("at", [0, 1, 5])
+def test_loader_error_arrives_after_the_batches_before_it(device, at):
+    got = []
+    with CudaPrefetcher(failing(at), device=device, depth=3) as pf:
+        with pytest.raises(Boom, match=f"at {at}") as info:
+            for b in pf:
+                got.append(b.item())
+        assert [f.name for f in info.traceback][-1] == "gen"  # the loader's frame, not ours
+        assert got == list(range(at))
+        it = iter(pf)  # the next epoch works again
+        assert next(it).item() == 0 if at else True
+
+
+def test_no_stale_batch_after_an_error():
+    pf = CudaPrefetcher(failing(2), device="cpu")
+    it = iter(pf)
+    assert [next(it).item(), next(it).item()] == [0, 1]
+    with pytest.raises(Boom):
+        next(it)
+    with pytest.raises(StopIteration):
+        next(it)
+    pf.close()
+
+
+def test_error_in_dunder_iter_arrives_in_the_consumer():
+    class BadLoader:
+        def __iter__(self):
+            raise ValueError("cannot start")
+
+    with CudaPrefetcher(BadLoader(), device="cpu") as pf, pytest.raises(ValueError, match="cannot start"):
+        next(iter(pf))
+
+
+def test_transform_error_arrives_with_its_type(device):
+    def transform(b):
+        if b.item() == 3:
+            raise ZeroDivisionError("bad batch 3")
+        return b * 2
+
+    got = []
+    with CudaPrefetcher([torch.tensor([i]) for i in range(6)], device=device, transform=transform) as pf:
+        with pytest.raises(ZeroDivisionError):
+            for b in pf:
+                got.append(b.item())
+    assert got == [0, 2, 4]
+
+
+def test_transform_runs_on_each_batch(device):
+    data = [torch.arange(4, dtype=torch.uint8) + i for i in range(3)]
+    with CudaPrefetcher(data, device=device, transform=lambda t: t.float() / 255) as pf:
+        got = [b.cpu() for b in pf]
+    assert all(torch.equal(g, d.float() / 255) for g, d in zip(got, data))
+
+
+# -- shutdown ------------------------------------------------------------------------------------
+
+def endless():
+    i = 0
+    while True:
+        yield torch.full((4,), i)
+        i += 1
+
+
+def test_close_stops_the_thread():
+    pf = CudaPrefetcher(endless, device="cpu")
+    it = iter(pf)
+    next(it)
+    assert gpufeed_threads()
+    pf.close()
+    assert wait_no_threads() < 5
+    with pytest.raises(RuntimeError, match="closed"):
+        next(it)
+    with pytest.raises(RuntimeError, match="closed"):
+        iter(pf)
+
+
+def test_break_stops_the_thread():
+    pf = CudaPrefetcher(endless, device="cpu", depth=2)
+    for b in pf:
+        if b[0] == 3:
+            break
+    assert wait_no_threads() < 5  # the fill pool is only created for pinned staging, never on the CPU
+    pf.close()
+
+
+def test_del_and_gc_stop_the_thread():
+    pf = CudaPrefetcher(endless, device="cpu")
+    it = iter(pf)
+    next(it)
+    del it, pf
+    gc.collect()
+    assert wait_no_threads() < 5
+
+
+def test_context_manager_stops_the_thread():
+    with CudaPrefetcher(endless, device="cpu") as pf:
+        next(iter(pf))
+    assert wait_no_threads() < 5
+
+
+def test_ctrl_c_during_next_stops_the_thread():
+    def stuck():
+        yield torch.zeros(1)
+        time.sleep(0.5)
+        yield torch.ones(1)
+
+    import _thread
+
+    pf = CudaPrefetcher(stuck, device="cpu")
+    it = iter(pf)
+    next(it)
+    threading.Timer(0.1, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        next(it)
+    assert wait_no_threads() < 5
+    pf.close()
+
+
+def test_new_epoch_supersedes_the_unfinished_one():
+    pf = CudaPrefetcher(endless, device="cpu")
+    it1 = iter(pf)
+    next(it1)
+    it2 = iter(pf)
+    assert next(it2)[0] == 0
+    with pytest.raises(RuntimeError, match="new iteration"):
+        next(it1)
+    pf.close()
+
+
+# -- drop-in surface -----------------------------------------------------------------------------
+
+class Recorder:
+    def __init__(self):
+        self.epochs = []
+
+    def set_epoch(self, e):
+        self.epochs.append(e)
+
+
+def test_set_epoch_is_forwarded_to_loader_sampler_and_batch_sampler():
+    loader = collections.namedtuple("L", "")()  # placeholder replaced below
+    sampler, inner = Recorder(), Recorder()
+
+    class BatchSampler(Recorder):
+        sampler = inner
+
+    class Loader(Recorder):
+        dataset = "the dataset"
+        batch_size = 8
+
+        def __init__(self):
+            super().__init__()
+            self.sampler = sampler
+            self.batch_sampler = BatchSampler()
+
+        def __iter__(self):
+            return iter([torch.zeros(1)])
+
+        def __len__(self):
+            return 1
+
+    loader = Loader()
+    with CudaPrefetcher(loader, device="cpu") as pf:
+        pf.set_epoch(3)
+        assert loader.epochs == [3] and sampler.epochs == [3] and inner.epochs == [3]
+        assert loader.batch_sampler.epochs == [3]
+        assert pf.dataset == "the dataset" and pf.batch_size == 8 and pf.sampler is sampler
+        assert len(pf) == 1 and pf.epoch == 3
+        list(pf)
+        list(pf)  # iterating again does not call set_epoch by itself, like a DataLoader
+        assert loader.epochs == [3]
+
+
+def test_len_without_len_is_a_type_error():
+    with CudaPrefetcher(endless, device="cpu") as pf, pytest.raises(TypeError, match="no len"):
+        len(pf)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"depth": 0}, "depth must be an int >= 1.*got 0"),
+        ({"depth": -2}, "depth must be an int >= 1.*got -2"),
+        ({"device": "tpu:0"}, "device"),
+        ({"device": "bogus"}, "device"),
+        ({"num_threads": 0}, "num_threads must be >= 1, got 0"),
+        ({"transform": 5}, "transform must be callable"),
+        ({"pinned_budget": -1}, "pinned_budget must be >= 0"),
+        ({"batch_size": 4}, "apply to a BatchSource"),
+    ],
+)
+def test_invalid_arguments_say_what_and_how(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CudaPrefetcher([torch.zeros(1)], **{"device": "cpu", **kwargs})
+
+
+def test_cuda_without_cuda_is_a_value_error():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        CudaPrefetcher([], device="cuda")
+
+
+def test_not_iterable_is_a_value_error():
+    with pytest.raises(ValueError, match="needs an iterable"):
+        CudaPrefetcher(42, device="cpu")
+
+
+def test_stats_dict_and_summary():
+    s = PrefetchStats(batches=2, bytes=2_000_000_000, wait_s=0.5, wall_s=2.0, copy_s=0.1)
+    assert s.as_dict()["h2d_GBps"] == pytest.approx(20.0)
+    assert s.stall_fraction == 0.25 and "INPUT-BOUND" in str(s)

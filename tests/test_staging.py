@@ -1,0 +1,73 @@
+"""The pinned pool and the chunk pipeline, on plain host memory (pinning needs CUDA)."""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from gpufeed.staging import ChunkPipeline, PinnedPool, plan_leaf_chunks
+
+STOP = threading.Event()
+
+
+def test_pool_reuses_buffers_and_stays_in_budget():
+    pool = PinnedPool(budget=64 << 10, chunk_bytes=16 << 10, pin=False)
+    a = pool.acquire(10 << 10, STOP)
+    b = pool.acquire(16 << 10, STOP)
+    assert a.nbytes == b.nbytes == 16 << 10 and pool.allocations == 2
+    pool.release(a, None)
+    c = pool.acquire(5000, STOP)
+    assert c is a and pool.allocations == 2  # reused, not allocated again
+    d = pool.acquire(32 << 10, STOP)
+    assert pool.allocated == 64 << 10 and pool.try_acquire(1) is None  # budget full, nothing free
+    for buf in (b, c, d):
+        pool.release(buf, None)
+    e = pool.acquire(48 << 10, STOP)  # too big for any free buffer: small ones are dropped to make room
+    assert e.nbytes == 48 << 10 and pool.allocated <= 64 << 10
+
+
+def test_a_request_larger_than_the_budget_is_served_alone():
+    pool = PinnedPool(budget=32 << 10, chunk_bytes=16 << 10, pin=False)
+    buf = pool.acquire(100 << 10, STOP)
+    assert buf.nbytes >= 100 << 10
+    pool.release(buf, None)
+    pool.clear()
+    assert pool.allocated == 0
+
+
+def test_acquire_gives_up_when_stopped():
+    from gpufeed._worker import Stopped
+
+    pool = PinnedPool(budget=16 << 10, chunk_bytes=16 << 10, pin=False)
+    pool.acquire(1, STOP)
+    stop = threading.Event()
+    threading.Timer(0.05, stop.set).start()
+    with pytest.raises(Stopped):
+        pool.acquire(1, stop)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 100_000, 1 << 20])
+def test_pipeline_copies_every_byte(nbytes):
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    pool = PinnedPool(budget=64 << 10, chunk_bytes=16 << 10, pin=False)
+    with ThreadPoolExecutor(4) as ex:
+        ChunkPipeline(pool, ex, None, max_in_flight=8).run(plan_leaf_chunks(src, dst, 16 << 10, 4096), STOP)
+    assert torch.equal(src, dst)
+    assert pool.allocated <= 64 << 10
+
+
+def test_pipeline_error_in_a_fill_is_raised_and_buffers_come_back():
+    pool = PinnedPool(budget=64 << 10, chunk_bytes=16 << 10, pin=False)
+    src = torch.zeros(64 << 10, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    chunks = plan_leaf_chunks(src, dst, 16 << 10, 4096)
+
+    def bad(buf):
+        raise OSError("disk gone")
+
+    chunks[2].fills[1] = bad
+    with ThreadPoolExecutor(2) as ex, pytest.raises(OSError, match="disk gone"):
+        ChunkPipeline(pool, ex, None, max_in_flight=8).run(chunks, STOP)
+    assert len(pool._free) == pool.allocations  # every buffer is back in the pool
