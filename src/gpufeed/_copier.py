@@ -13,7 +13,7 @@ import torch
 
 from gpufeed import _nvtx
 from gpufeed._tree import flatten
-from gpufeed.staging import DEFAULT_FILL_BYTES, Chunk, ChunkPipeline, PinnedPool, plan_leaf_chunks, warn_pageable
+from gpufeed.staging import Chunk, ChunkPipeline, PinnedPool, plan_leaf_chunks, warn_pageable
 from gpufeed.stats import PrefetchStats
 
 
@@ -126,7 +126,7 @@ class Copier:
                 elif self._pinned_ok():
                     src = t.contiguous()
                     keep.append(src)
-                    chunks += plan_leaf_chunks(src, dst, self.pool.chunk_bytes, DEFAULT_FILL_BYTES)
+                    chunks += plan_leaf_chunks(src, dst, self.pool.chunk_bytes, self.pool.fill_bytes)
                     staged += n
                 else:
                     dst.copy_(t)  # pageable fallback, still off the consumer's thread

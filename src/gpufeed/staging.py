@@ -28,7 +28,6 @@ from gpufeed._worker import Stopped
 
 MiB = 1 << 20
 DEFAULT_CHUNK_BYTES = 16 * MiB
-DEFAULT_FILL_BYTES = 2 * MiB
 DEFAULT_PINNED_BUDGET = 512 * MiB
 
 
@@ -76,6 +75,7 @@ class PinnedPool:
             raise ValueError(f"chunk_bytes must be >= 4096, got {chunk_bytes}")
         self.budget = budget
         self.chunk_bytes = chunk_bytes
+        self.fill_bytes = max(64 << 10, chunk_bytes // 4)  # one worker's share of a chunk
         self.pin = pin
         self.available = budget > 0
         self.allocated = 0
