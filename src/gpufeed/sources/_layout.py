@@ -1,0 +1,107 @@
+"""Where each row of a field lives: a table of extents, and the reads that fetch a list of row runs."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+from .base import Field
+
+
+class Extent(NamedTuple):
+    """Consecutive rows of a field stored in one place.
+
+    ``offset >= 0``: the rows lie back to back in file ``file`` from that byte offset (read by offset).
+    ``offset == -1``: they are rows ``row0..`` of HDF5 dataset ``dataset`` in that file (read through h5py).
+    """
+
+    file: int
+    offset: int
+    rows: int
+    row0: int = 0
+    dataset: str | None = None
+
+
+class ByteRead(NamedTuple):
+    """Read ``nbytes`` from byte ``file_offset`` of file ``file`` into byte ``out_offset`` of the output."""
+
+    file: int
+    file_offset: int
+    nbytes: int
+    out_offset: int
+
+
+class Layout:
+    """The extents of one field, concatenated along samples.
+
+    Example:
+        >>> lay = Layout(Field("x", (), torch.uint8), [Extent(0, 128, 10), Extent(1, 0, 5)])
+        >>> lay.byte_reads([(8, 12)])
+        [ByteRead(file=0, file_offset=136, nbytes=2, out_offset=0), ByteRead(file=1, file_offset=0, nbytes=2, out_offset=2)]
+    """
+
+    def __init__(self, field: Field, extents: Sequence[Extent]) -> None:
+        self.field = field
+        self.row_nbytes = field.sample_nbytes
+        self.extents = [e for e in extents if e.rows > 0]
+        self.starts = [0]
+        for e in self.extents:
+            self.starts.append(self.starts[-1] + e.rows)
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    @property
+    def by_offset(self) -> bool:
+        """True when every row can be read by byte offset (no h5py extent)."""
+        return all(e.offset >= 0 for e in self.extents)
+
+    def split(self, runs: Sequence[tuple[int, int]]) -> Iterator[tuple[Extent, int, int, int]]:
+        """Yield ``(extent, first row in the extent, rows, first output row)`` covering ``runs`` in order."""
+        starts, extents = self.starts, self.extents
+        single = len(extents) == 1
+        out_row = 0
+        for a, b in runs:
+            while a < b:
+                i = 0 if single else bisect.bisect_right(starts, a) - 1
+                end = min(b, starts[i + 1])
+                yield extents[i], a - starts[i], end - a, out_row
+                out_row += end - a
+                a = end
+
+    def byte_reads(self, runs: Sequence[tuple[int, int]]) -> list[ByteRead]:
+        """The reads of ``runs`` for an all-by-offset layout, with reads that touch in file and output merged."""
+        rn = self.row_nbytes
+        reads: list[ByteRead] = []
+        for ext, r, k, o in self.split(runs):
+            fo, nb, oo = ext.offset + r * rn, k * rn, o * rn
+            if reads:
+                last = reads[-1]
+                if (
+                    last.file == ext.file
+                    and last.file_offset + last.nbytes == fo
+                    and last.out_offset + last.nbytes == oo
+                ):
+                    reads[-1] = ByteRead(last.file, last.file_offset, last.nbytes + nb, last.out_offset)
+                    continue
+            reads.append(ByteRead(ext.file, fo, nb, oo))
+        return reads
+
+
+def merge_extents(extents: Sequence[Extent], row_nbytes: int) -> list[Extent]:
+    """Join by-offset extents that follow each other in the same file (e.g. chunks written in order)."""
+    out: list[Extent] = []
+    for e in extents:
+        if out:
+            last = out[-1]
+            if (
+                e.offset >= 0
+                and last.offset >= 0
+                and last.file == e.file
+                and last.offset + last.rows * row_nbytes == e.offset
+            ):
+                out[-1] = last._replace(rows=last.rows + e.rows)
+                continue
+        out.append(e)
+    return out

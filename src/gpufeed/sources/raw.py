@@ -1,0 +1,298 @@
+"""RawSource: raw binary and ``.npy`` files, read with ``os.preadv`` straight into the output tensors."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from . import _manifest
+from ._io import (
+    FileDescriptors,
+    PathLike,
+    as_paths,
+    check_file,
+    check_outs,
+    check_rows,
+    pread_exact,
+    sample_shape,
+    torch_dtype,
+)
+from ._layout import Extent, Layout
+from .base import Field, Rows
+
+FieldSpec = PathLike | Sequence[PathLike] | Mapping[str, Any]
+
+
+class RawSource:
+    """Fixed-shape samples stored back to back in raw binary files, ``.npy`` files or a gpufeed manifest.
+
+    Each field is one file, or several files concatenated along samples; all fields have the same number
+    of samples. ``read`` issues one ``os.preadv`` per run of consecutive rows (per file), straight into the
+    memory of the ``out`` tensors: no intermediate copy, no Python work per byte, and the GIL is released
+    while the kernel copies. Any host tensor works as ``out`` (the prefetcher passes pinned ones).
+
+    Thread and process safety: reads are positional, so one file descriptor per file serves every
+    thread. Descriptors are opened on first use in each process: a forked child (DataLoader worker) or an
+    unpickled copy opens its own. ``close()`` must not run while a ``read`` is in flight.
+
+    Args:
+        paths: a ``.npy`` file, a raw binary file, a manifest (``manifest.json`` or the directory holding
+            it, as written by ``convert_h5_to_raw``), or a list of ``.npy``/raw files concatenated along
+            samples. Leave it ``None`` when passing ``fields``.
+        dtype: sample dtype of raw files (numpy-style like ``"float32"``, or a torch dtype such as
+            ``torch.bfloat16``). ``.npy`` files carry their own; if given, it must match.
+        shape: per-sample shape of raw files (``()`` for scalars). ``.npy`` files carry their own.
+        name: the field name when ``paths`` holds a single field.
+        fields: several fields, ``{name: spec}``, where spec is a path, a list of paths, or a dict with
+            ``paths`` and optionally ``dtype``, ``shape``, ``offset`` (defaults: the arguments above).
+        offset: bytes to skip at the start of each raw file (a header); ignored for ``.npy`` files.
+
+    Example:
+        >>> np.save("x.npy", np.zeros((100, 3, 32, 32), np.uint8))      # doctest: +SKIP
+        >>> src = RawSource("x.npy")                                      # doctest: +SKIP
+        >>> src = RawSource(fields={"x": "x.npy", "y": {"paths": "y.bin", "dtype": "int64"}})  # doctest: +SKIP
+        >>> out = {"x": torch.empty(8, 3, 32, 32, dtype=torch.uint8), "y": torch.empty(8, dtype=torch.int64)}
+        >>> src.read(range(0, 8), out)                                    # doctest: +SKIP
+    """
+
+    #: Safe to pickle (only paths travel) and to use in a forked child (it opens its own descriptors).
+    picklable = True
+    fork_safe = True
+
+    def __init__(
+        self,
+        paths: PathLike | Sequence[PathLike] | None = None,
+        dtype: Any = None,
+        shape: int | Sequence[int] | None = None,
+        name: str = "x",
+        fields: Mapping[str, FieldSpec] | None = None,
+        *,
+        offset: int = 0,
+    ) -> None:
+        if fields is None:
+            if paths is None:
+                raise ValueError("RawSource: pass paths=... (a file or a list of files) or fields={...}")
+            if _is_manifest(paths):
+                if dtype is not None or shape is not None:
+                    raise ValueError("RawSource: a manifest records dtype and shape; do not pass dtype=/shape=")
+                self._build(_from_manifest(paths))
+                return
+            fields = {name: paths}
+        elif paths is not None:
+            raise ValueError("RawSource: pass either paths=... or fields={...}, not both")
+        if not isinstance(fields, Mapping) or not fields:
+            raise ValueError(f"RawSource: fields must be a non-empty mapping of name -> files, got {fields!r}")
+        defaults = {"dtype": dtype, "shape": shape, "offset": offset}
+        self._build([_field_files(str(n), spec, defaults) for n, spec in fields.items()])
+
+    @classmethod
+    def from_manifest(cls, path: PathLike) -> RawSource:
+        """Open the files a gpufeed manifest describes (``manifest.json``, or the directory holding it).
+
+        Raises:
+            FileNotFoundError: no manifest there.
+            ValueError: the manifest does not match its files (names the file; re-run gpufeed convert).
+
+        Example:
+            >>> src = RawSource.from_manifest(convert_h5_to_raw("train.h5", "train.raw"))  # doctest: +SKIP
+        """
+        self = cls.__new__(cls)
+        self._build(_from_manifest(path))
+        return self
+
+    def _build(self, per_field: list[tuple[Field, list[tuple[str, int, int]]]]) -> None:
+        paths: list[str] = []
+        index: dict[str, int] = {}
+        layouts: dict[str, Layout] = {}
+        for field, files in per_field:
+            extents = []
+            for path, off, rows in files:
+                if path not in index:
+                    index[path] = len(paths)
+                    paths.append(path)
+                extents.append(Extent(index[path], off, rows))
+            layouts[field.name] = Layout(field, extents)
+        _check_counts(layouts, paths)
+        self._paths = paths
+        self._layouts = layouts
+        self._fields = {n: lay.field for n, lay in layouts.items()}
+        self._len = len(next(iter(layouts.values())))
+        self._where = f"RawSource({os.path.basename(paths[0])}{', ...' if len(paths) > 1 else ''})"
+        self._fds = FileDescriptors(paths)
+
+    @property
+    def fields(self) -> Mapping[str, Field]:
+        """The fields, by name."""
+        return MappingProxyType(self._fields)
+
+    @property
+    def reads_to(self) -> Literal["host"]:
+        """Always ``"host"``: reads land in host memory (pinned, when the prefetcher owns it)."""
+        return "host"
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """Every file the source reads."""
+        return tuple(self._paths)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def read(self, rows: Rows, out: Mapping[str, torch.Tensor]) -> None:
+        """Write ``rows`` of every field into ``out[name][: len(rows)]``, in the order of ``rows``.
+
+        Raises:
+            IndexError: a row is outside ``[0, len(self))``.
+            ValueError: an ``out`` tensor is missing, too small, of the wrong dtype/shape or not on the host.
+            OSError: a file ended early (truncated after the source was opened).
+        """
+        runs, n = check_rows(rows, self._len, self._where)
+        bufs = check_outs(self._fields, out, n, "cpu", self._where)
+        if n == 0:
+            return
+        for name, layout in self._layouts.items():
+            mv = memoryview(bufs[name].numpy())
+            for r in layout.byte_reads(runs):
+                dest = mv[r.out_offset : r.out_offset + r.nbytes]
+                pread_exact(self._fds.get(r.file), dest, r.file_offset, self._paths[r.file])
+
+    def close(self) -> None:
+        """Close this process's file descriptors (a later ``read`` reopens them). Idempotent."""
+        self._fds.close()
+
+    def __enter__(self) -> RawSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{n}: {tuple(f.shape)} {f.dtype}" for n, f in self._fields.items())
+        return f"RawSource({len(self)} samples, {len(self._paths)} files, {{{fields}}})"
+
+
+def _is_manifest(paths: Any) -> bool:
+    if not isinstance(paths, (str, os.PathLike)):
+        return False
+    p = os.fspath(paths)
+    return p.endswith(".json") or os.path.isdir(p)
+
+
+def _from_manifest(path: PathLike) -> list[tuple[Field, list[tuple[str, int, int]]]]:
+    _, entries = _manifest.load(path)
+    out = []
+    for e in entries:
+        field = Field(e.name, e.shape, torch_dtype(e.dtype, f"{e.path} (field '{e.name}')"))
+        out.append((field, [(e.path, e.offset, e.num_samples)]))
+    return out
+
+
+def _field_files(name: str, spec: FieldSpec, defaults: dict[str, Any]) -> tuple[Field, list[tuple[str, int, int]]]:
+    """The field and its ``(path, data offset, rows)`` files, from a spec of paths or a dict."""
+    opts = dict(defaults)
+    if isinstance(spec, Mapping):
+        unknown = set(spec) - {"paths", "dtype", "shape", "offset"}
+        if unknown or "paths" not in spec:
+            raise ValueError(
+                f"RawSource: field '{name}': a dict spec takes keys paths (required), dtype, shape, offset; "
+                f"got {sorted(spec)}"
+            )
+        opts.update({k: v for k, v in spec.items() if k != "paths"})
+        spec = spec["paths"]
+    paths = as_paths(spec, f"RawSource field '{name}'")
+    opened = [_open_one(name, path, opts) for path in paths]
+    field = opened[0][0]
+    for path, (f, _, _) in zip(paths, opened):
+        if (f.dtype, f.shape) != (field.dtype, field.shape):
+            raise ValueError(
+                f"RawSource field '{name}': {path} holds samples of {f.shape} {f.dtype} but {paths[0]} "
+                f"holds {field.shape} {field.dtype}; concatenated files must agree"
+            )
+    return field, [(path, off, rows) for path, (_, off, rows) in zip(paths, opened)]
+
+
+def _open_one(name: str, path: str, opts: dict[str, Any]) -> tuple[Field, int, int]:
+    size = check_file(path, f"RawSource field '{name}'")
+    if path.endswith(".npy"):
+        return _npy(name, path, size, opts)
+    if opts["dtype"] is None:
+        raise ValueError(
+            f"RawSource: {path} is a raw file: pass dtype= (and shape= per sample), or save it with np.save "
+            "as .npy, which records both"
+        )
+    dtype = torch_dtype(opts["dtype"], path)
+    shape = sample_shape(opts["shape"], path)
+    field = Field(name, shape, dtype)
+    off = int(opts["offset"] or 0)
+    if off < 0 or off > size:
+        raise ValueError(f"RawSource: offset={off} is outside {path} ({size} bytes)")
+    rows, rest = divmod(size - off, _row_bytes(field, path))
+    if rest:
+        raise ValueError(
+            f"RawSource: {path} holds {size - off} bytes after offset {off}, not a whole number of "
+            f"{field.sample_nbytes}-byte samples ({dtype}, shape {shape}); check dtype=, shape= and offset="
+        )
+    return field, off, rows
+
+
+def _npy(name: str, path: str, size: int, opts: dict[str, Any]) -> tuple[Field, int, int]:
+    shape, fortran, dt, off = _npy_header(path)
+    if fortran and len(shape) > 1:
+        raise ValueError(
+            f"RawSource: {path} is stored in Fortran order; gpufeed reads C order: re-save it with "
+            "np.save(path, np.ascontiguousarray(arr))"
+        )
+    if len(shape) == 0:
+        raise ValueError(f"RawSource: {path} holds a 0-d array; samples need a leading axis (shape (N, ...))")
+    field = Field(name, tuple(int(d) for d in shape[1:]), torch_dtype(dt, path))
+    for key, got in (("dtype", field.dtype), ("shape", field.shape)):
+        want = opts[key]
+        if want is not None:
+            want = torch_dtype(want, path) if key == "dtype" else sample_shape(want, path)
+            if want != got:
+                raise ValueError(f"RawSource: {path} holds {key} {got}, but {key}={want} was passed")
+    rows = int(shape[0])
+    need = off + rows * _row_bytes(field, path)
+    if size < need:
+        raise ValueError(
+            f"RawSource: {path} is truncated: its header says {rows} samples ({need} bytes with the "
+            f"header) but the file holds {size} bytes; re-save it"
+        )
+    return field, off, rows
+
+
+def _npy_header(path: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    fmt = np.lib.format
+    with open(path, "rb") as fh:
+        try:
+            version = fmt.read_magic(fh)
+            # 3.0 only differs from 2.0 by allowing utf-8 in the header, which dtype/shape never need.
+            read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            shape, fortran, dtype = read(fh)
+        except ValueError as exc:
+            raise ValueError(f"RawSource: {path} is not a valid .npy file ({exc}); write it with np.save") from exc
+        return shape, fortran, dtype, fh.tell()
+
+
+def _row_bytes(field: Field, path: str) -> int:
+    n = field.sample_nbytes
+    if n == 0:
+        raise ValueError(f"RawSource: {path}: samples of shape {field.shape} hold no bytes")
+    return n
+
+
+def _check_counts(layouts: Mapping[str, Layout], paths: Sequence[str]) -> None:
+    counts = {name: len(lay) for name, lay in layouts.items()}
+    if len(set(counts.values())) > 1:
+        detail = ", ".join(
+            f"'{n}': {c} ({paths[layouts[n].extents[0].file] if layouts[n].extents else 'empty'})"
+            for n, c in counts.items()
+        )
+        raise ValueError(
+            f"RawSource: fields have different sample counts: {detail}; every field needs one row per sample"
+        )

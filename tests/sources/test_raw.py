@@ -1,0 +1,141 @@
+"""RawSource: .npy, raw binary, several files, several fields; each case runs the SourceContract."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpufeed.sources import RawSource
+from gpufeed.testing import SourceContract
+
+
+def _images(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=(n, 3, 4, 5), dtype=np.uint8)
+
+
+class TestRawNpy(SourceContract):
+    def make_source(self, tmp_path):
+        x = _images(57)
+        np.save(tmp_path / "x.npy", x)
+        return RawSource(tmp_path / "x.npy"), {"x": x}
+
+
+class TestRawNpyScalars(SourceContract):
+    def make_source(self, tmp_path):
+        y = np.arange(33, dtype=np.int64) * 7 - 3
+        np.save(tmp_path / "y.npy", y)
+        return RawSource(tmp_path / "y.npy", name="y"), {"y": y}
+
+
+class TestRawBinaryManyFiles(SourceContract):
+    """Raw files with a header offset, concatenated, of unequal sizes (one empty)."""
+
+    def make_source(self, tmp_path):
+        x = np.random.default_rng(1).standard_normal((40, 6)).astype(np.float32)
+        paths = []
+        for i, (a, b) in enumerate([(0, 13), (13, 13), (13, 14), (14, 40)]):
+            p = tmp_path / f"part{i}.bin"
+            p.write_bytes(b"HEADER!!" + x[a:b].tobytes())
+            paths.append(p)
+        return RawSource(paths, dtype="float32", shape=(6,), offset=8), {"x": x}
+
+
+class TestRawManyFieldsMixed(SourceContract):
+    """An .npy field split over two files beside a raw bfloat16 field in one file."""
+
+    def make_source(self, tmp_path):
+        x = _images(30, seed=2)
+        np.save(tmp_path / "a.npy", x[:11])
+        np.save(tmp_path / "b.npy", x[11:])
+        w = torch.randn(30, 2, dtype=torch.bfloat16)
+        w_bits = w.view(torch.int16).numpy().view(np.uint16)
+        (tmp_path / "w.bin").write_bytes(w_bits.tobytes())
+        src = RawSource(
+            fields={
+                "x": [tmp_path / "a.npy", tmp_path / "b.npy"],
+                "w": {"paths": tmp_path / "w.bin", "dtype": torch.bfloat16, "shape": 2},
+            }
+        )
+        return src, {"x": x, "w": w_bits}
+
+
+class TestRawNpyVersion2Header(SourceContract):
+    def make_source(self, tmp_path):
+        x = np.arange(120, dtype=np.float64).reshape(20, 6)
+        with open(tmp_path / "v2.npy", "wb") as fh:
+            np.lib.format.write_array(fh, x, version=(2, 0))
+        return RawSource(tmp_path / "v2.npy"), {"x": x}
+
+
+def test_fields_and_repr(tmp_path):
+    np.save(tmp_path / "x.npy", _images(5))
+    src = RawSource(tmp_path / "x.npy")
+    assert src.reads_to == "host"
+    assert src.fields["x"].shape == (3, 4, 5) and src.fields["x"].dtype == torch.uint8
+    assert src.files == (str(tmp_path / "x.npy"),)
+    assert "5 samples" in repr(src)
+    with src:
+        pass
+
+
+def test_read_accepts_python_list_and_strided_range(tmp_path):
+    x = _images(20)
+    np.save(tmp_path / "x.npy", x)
+    src = RawSource(tmp_path / "x.npy")
+    out = {"x": torch.empty(3, 3, 4, 5, dtype=torch.uint8)}
+    src.read(range(0, 6, 2), out)
+    assert np.array_equal(out["x"].numpy(), x[[0, 2, 4]])
+    src.read([5, 1, 2], out)
+    assert np.array_equal(out["x"].numpy(), x[[5, 1, 2]])
+
+
+def test_duplicate_rows_are_read_twice(tmp_path):
+    x = _images(10)
+    np.save(tmp_path / "x.npy", x)
+    out = {"x": torch.empty(4, 3, 4, 5, dtype=torch.uint8)}
+    RawSource(tmp_path / "x.npy").read(np.array([2, 2, 3, 3]), out)
+    assert np.array_equal(out["x"].numpy(), x[[2, 2, 3, 3]])
+
+
+def test_adjacent_runs_across_files_merge_into_one_read(tmp_path):
+    # Two extents of the same file back to back are read with one preadv.
+    x = np.arange(10, dtype=np.int32)
+    x.tofile(tmp_path / "x.bin")
+    src = RawSource(tmp_path / "x.bin", dtype=np.int32)
+    reads = src._layouts["x"].byte_reads([(0, 3), (3, 5), (7, 8)])
+    assert [(r.file_offset, r.nbytes, r.out_offset) for r in reads] == [(0, 20, 0), (28, 4, 20)]
+
+
+def test_npy_dtype_and_shape_arguments_must_agree(tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros((4, 2), np.float32))
+    assert len(RawSource(tmp_path / "x.npy", dtype="float32", shape=(2,))) == 4
+    with pytest.raises(ValueError, match="dtype"):
+        RawSource(tmp_path / "x.npy", dtype="float64")
+    with pytest.raises(ValueError, match="shape"):
+        RawSource(tmp_path / "x.npy", shape=(3,))
+
+
+def test_paths_and_fields_are_exclusive(tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros((4, 2), np.float32))
+    with pytest.raises(ValueError, match="not both"):
+        RawSource(tmp_path / "x.npy", fields={"x": tmp_path / "x.npy"})
+    with pytest.raises(ValueError, match="paths"):
+        RawSource()
+    with pytest.raises(ValueError, match="keys"):
+        RawSource(fields={"x": {"path": tmp_path / "x.npy"}})
+
+
+def test_read_into_cuda_tensor_is_rejected_for_host_source(tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros((4, 2), np.float32))
+    src = RawSource(tmp_path / "x.npy")
+    out = {"x": torch.empty(4, 2, device="meta")}
+    with pytest.raises(ValueError, match="host|cpu"):
+        src.read(range(4), out)
+
+
+def test_non_contiguous_out_is_rejected(tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros((4, 2), np.float32))
+    src = RawSource(tmp_path / "x.npy")
+    with pytest.raises(ValueError, match="contiguous"):
+        src.read(range(4), {"x": torch.empty(2, 4).t()})
