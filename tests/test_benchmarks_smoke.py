@@ -1,0 +1,44 @@
+"""The prefetcher benchmark runs end to end on the CPU (--smoke) and writes complete results."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+WORKLOADS = ("unpinned", "pinned", "unpinned_compute")
+METHODS = ("naive", "pin_non_blocking", "tutorial_prefetcher", "gpufeed")
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve their module through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_prefetcher_smoke(tmp_path: Path) -> None:
+    bench = _load("bench_prefetcher")
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+
+    doc = json.loads((tmp_path / "prefetcher-cpu.json").read_text())
+    assert (tmp_path / "prefetcher-cpu.md").is_file()
+    assert {"card", "torch", "rows", "device", "targets"} <= doc.keys()
+    assert doc["card"] == "cpu" and doc["device"] == "cpu" and doc["smoke"] is True
+    rows = {(r["workload"], r["method"]): r for r in doc["rows"]}
+    assert rows[("ceiling", "pinned_h2d")]["GBps"] > 0
+    for workload in WORKLOADS:
+        for method in METHODS:
+            row = rows[(workload, method)]
+            assert "error" not in row, row
+            assert row["GBps"] > 0 and row["frac_of_ceiling"] > 0
+            assert 0 <= row["wait_fraction"] <= 1.5 and row["consumer_us_per_batch"] >= 0
+            assert row["verified"] is True, f"{method} delivered wrong bytes in {workload}"
+            assert ("step_over_compute" in row) == (workload == "unpinned_compute")
+    assert rows[("unpinned", "gpufeed")]["wait_source"] == "pf.stats"
+    assert len(doc["targets"]) == len(bench.TARGETS)
