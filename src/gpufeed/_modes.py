@@ -60,6 +60,26 @@ class IterableMode:
         if not implicit:  # like a DataLoader: a sampler's epoch changes only when set_epoch is called
             _forward_set_epoch(self.source, epoch)
 
+    def initial_state(self, epoch: int, start: int) -> Any:
+        return self.source.state_dict() if self.stateful else None
+
+    def state_dict(self, last: Any, epoch: int) -> dict[str, Any]:
+        if not self.stateful:
+            raise TypeError(
+                f"cannot take the state of a {type(self.source).__name__}: it has no state_dict(). "
+                "Wrap a torchdata StatefulDataLoader (pip install 'gpufeed[resume]') or use a BatchSource"
+            )
+        if last is None:
+            last = self.source.state_dict()
+        return {"gpufeed": STATE_VERSION, "mode": "loader", "epoch": epoch, "loader": last}
+
+    def load_state_dict(self, state: dict[str, Any]) -> tuple[int, int]:
+        _check_state(state, "loader")
+        if not self.stateful:
+            self.state_dict(None, 0)  # raises the TypeError that says why
+        self.source.load_state_dict(state["loader"])
+        return int(state["epoch"]), 0
+
     def batches(self, epoch: int, start: int = 0) -> Iterable[Any]:
         if self._factory is not None:
             return _Lazy(self._factory)
@@ -118,6 +138,28 @@ class SourceMode:
     def set_epoch(self, epoch: int, implicit: bool = False) -> None:
         self._epoch = epoch
 
+    def initial_state(self, epoch: int, start: int) -> dict[str, int]:
+        return {"epoch": epoch, "batch": start}
+
+    def state_dict(self, last: Any, epoch: int) -> dict[str, Any]:
+        pos = last or {"epoch": epoch, "batch": 0}
+        return {"gpufeed": STATE_VERSION, "mode": "source", **pos, "num_samples": len(self.source),
+                "config": dict(self.config)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> tuple[int, int]:
+        _check_state(state, "source")
+        mine = {**self.config, "num_samples": len(self.source)}
+        theirs = {**state.get("config", {}), "num_samples": state.get("num_samples")}
+        diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+        if diff:
+            what = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            raise ValueError(f"this state was saved with another configuration ({what}); "
+                             "resume with the same source, batch_size, shuffle, seed, drop_last and ranks")
+        epoch, start = int(state["epoch"]), int(state["batch"])
+        if start >= len(self._plan(epoch)):  # the epoch was complete: resume at the next one
+            epoch, start = epoch + 1, 0
+        return epoch, start
+
     def batches(self, epoch: int, start: int = 0) -> Iterator[WithState]:
         plan = self._plan(epoch)
         for i in range(start, len(plan)):
@@ -127,6 +169,20 @@ class SourceMode:
         close = getattr(self.source, "close", None)
         if callable(close):
             close()
+
+
+STATE_VERSION = 1
+
+
+def _check_state(state: Any, mode: str) -> None:
+    if not isinstance(state, dict) or "gpufeed" not in state:
+        raise ValueError(f"not a gpufeed state_dict: expected a dict from CudaPrefetcher.state_dict(), got "
+                         f"{type(state).__name__}")
+    if state["gpufeed"] != STATE_VERSION:
+        raise ValueError(f"gpufeed state version {state['gpufeed']} is not supported (this is {STATE_VERSION})")
+    if state.get("mode") != mode:
+        raise ValueError(f"this state was saved from a prefetcher over a {state.get('mode')}, "
+                         f"but this one wraps a {mode}; resume with the same kind of input")
 
 
 def _dist_ready() -> bool:

@@ -96,8 +96,11 @@ class CudaPrefetcher:
         self.stats = PrefetchStats()
         self.epoch = 0
         self._epoch_set = False
+        self._started = False
         self._closed = False
         self._current: weakref.ref[_EpochIterator] | None = None
+        self._state: Any = None  # the resumable state after the last batch handed to the consumer
+        self._resume: tuple[int, int] | None = None  # (epoch, batch) to start from, after load_state_dict
         self._lock = threading.Lock()
         self.num_threads = num_threads or min(16, os.cpu_count() or 1)
         self._mode = _make_mode(source, self, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
@@ -137,13 +140,41 @@ class CudaPrefetcher:
             previous = self._current() if self._current is not None else None
             if previous is not None:
                 previous._shutdown("a new iteration of the same CudaPrefetcher started")
-            if not self._epoch_set and previous is not None:
+            start = 0
+            if self._resume is not None:
+                (self.epoch, start), self._resume = self._resume, None
+                self._mode.set_epoch(self.epoch, implicit=True)
+            elif not self._epoch_set and self._started:  # a new epoch unless set_epoch chose one
                 self.epoch += 1
                 self._mode.set_epoch(self.epoch, implicit=True)
             self._epoch_set = False
-            it = _EpochIterator(self, self._mode.batches(self.epoch))
+            self._started = True
+            self._state = self._mode.initial_state(self.epoch, start)
+            it = _EpochIterator(self, self._mode.batches(self.epoch, start))
             self._current = weakref.ref(it)
         return it
+
+    # -- resumption --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the consumer has received so far (not what is in flight), to resume exactly there.
+
+        With a BatchSource: the epoch, the number of batches handed out in it, and the configuration.
+        With a loader that has ``state_dict`` (torchdata's ``StatefulDataLoader``): the loader's state
+        taken right after it produced the last batch handed out.
+
+        Example:
+            >>> pf = CudaPrefetcher(source, batch_size=32)       # doctest: +SKIP
+            >>> ckpt = pf.state_dict()                           # doctest: +SKIP
+            >>> CudaPrefetcher(source, batch_size=32).load_state_dict(ckpt)  # doctest: +SKIP
+        """
+        return self._mode.state_dict(self._state, self.epoch)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next iteration yields exactly the batches not yet received."""
+        self.epoch, start = self._mode.load_state_dict(state)
+        self._resume = (self.epoch, start)
+        self._epoch_set = False
 
     # -- lifetime ----------------------------------------------------------------------------------
 
@@ -200,7 +231,6 @@ class _EpochIterator:
         self._reason = ""
         self._last_t: float | None = None
         self._consumer_stream = torch.cuda.current_stream(pf.device) if pf._cuda else None
-        self.last_state: Any = None
         args = (batches, pf._copier(), self._queue, self._slots, self._stop, self._consumer_stream)
         self._thread = threading.Thread(target=_produce, args=args, name="gpufeed-fetch", daemon=True)
         self._thread.start()
@@ -228,7 +258,7 @@ class _EpochIterator:
         self._last_t = now
         if isinstance(item, Delivered):
             stats.batches += 1
-            self.last_state = item.state
+            self._pf._state = item.state
             return item.handover(self._consumer_stream)
         self._finish()
         if isinstance(item, _worker.Failure):
