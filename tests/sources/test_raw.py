@@ -110,19 +110,19 @@ def test_adjacent_runs_across_files_merge_into_one_read(tmp_path):
 def test_npy_dtype_and_shape_arguments_must_agree(tmp_path):
     np.save(tmp_path / "x.npy", np.zeros((4, 2), np.float32))
     assert len(RawSource(tmp_path / "x.npy", dtype="float32", shape=(2,))) == 4
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(ValueError, match=r"dtype"):
         RawSource(tmp_path / "x.npy", dtype="float64")
-    with pytest.raises(ValueError, match="shape"):
+    with pytest.raises(ValueError, match=r"shape"):
         RawSource(tmp_path / "x.npy", shape=(3,))
 
 
 def test_paths_and_fields_are_exclusive(tmp_path):
     np.save(tmp_path / "x.npy", np.zeros((4, 2), np.float32))
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match=r"not both"):
         RawSource(tmp_path / "x.npy", fields={"x": tmp_path / "x.npy"})
-    with pytest.raises(ValueError, match="paths"):
+    with pytest.raises(ValueError, match=r"paths"):
         RawSource()
-    with pytest.raises(ValueError, match="keys"):
+    with pytest.raises(ValueError, match=r"keys"):
         RawSource(fields={"x": {"path": tmp_path / "x.npy"}})
 
 
@@ -130,12 +130,12 @@ def test_read_into_cuda_tensor_is_rejected_for_host_source(tmp_path):
     np.save(tmp_path / "x.npy", np.zeros((4, 2), np.float32))
     src = RawSource(tmp_path / "x.npy")
     out = {"x": torch.empty(4, 2, device="meta")}
-    with pytest.raises(ValueError, match="host|cpu"):
+    with pytest.raises(ValueError, match=r"host|cpu"):
         src.read(range(4), out)
 
 
 def test_non_contiguous_out_is_rejected(tmp_path):
     np.save(tmp_path / "x.npy", np.zeros((4, 2), np.float32))
     src = RawSource(tmp_path / "x.npy")
-    with pytest.raises(ValueError, match="contiguous"):
+    with pytest.raises(ValueError, match=r"contiguous"):
         src.read(range(4), {"x": torch.empty(2, 4).t()})

@@ -74,7 +74,9 @@ def check_rows(rows: Rows, num_samples: int, where: str) -> tuple[list[tuple[int
         hi = max(b for _, b in runs)
     if lo < 0 or hi > num_samples:
         bad = lo if lo < 0 else hi - 1
-        raise IndexError(f"{where}: row {bad} is out of range for {num_samples} samples (valid: 0..{num_samples - 1})")
+        raise IndexError(
+            f"{where}: row {bad} is out of range for {num_samples} samples (valid: 0..{num_samples - 1})"
+        )
     return runs, sum(b - a for a, b in runs)
 
 
@@ -98,7 +100,9 @@ def out_bytes(
             f"pass a tensor of at least {n} rows"
         )
     if t.device.type != device_type:
-        raise ValueError(f"{where}: out['{name}'] is on {t.device}, this source writes to {device_type} memory")
+        raise ValueError(
+            f"{where}: out['{name}'] is on {t.device}, this source writes to {device_type} memory"
+        )
     t = t[:n]
     if not t.is_contiguous():
         raise ValueError(f"{where}: out['{name}'] must be C-contiguous; pass a contiguous tensor")

@@ -37,8 +37,8 @@ class Layout:
 
     Example:
         >>> lay = Layout(Field("x", (), torch.uint8), [Extent(0, 128, 10), Extent(1, 0, 5)])
-        >>> lay.byte_reads([(8, 12)])
-        [ByteRead(file=0, file_offset=136, nbytes=2, out_offset=0), ByteRead(file=1, file_offset=0, nbytes=2, out_offset=2)]
+        >>> [tuple(r) for r in lay.byte_reads([(8, 12)])]   # (file, file offset, bytes, out offset)
+        [(0, 136, 2, 0), (1, 0, 2, 2)]
     """
 
     def __init__(self, field: Field, extents: Sequence[Extent]) -> None:
@@ -71,7 +71,7 @@ class Layout:
                 a = end
 
     def byte_reads(self, runs: Sequence[tuple[int, int]]) -> list[ByteRead]:
-        """The reads of ``runs`` for an all-by-offset layout, with reads that touch in file and output merged."""
+        """The reads of ``runs`` (all extents by offset); reads adjacent in file and output are merged."""
         rn = self.row_nbytes
         reads: list[ByteRead] = []
         for ext, r, k, o in self.split(runs):

@@ -93,7 +93,7 @@ def _check_file(manifest: Path, f: ManifestField) -> None:
 
 
 def write_atomic(path: Path, doc: dict[str, Any]) -> None:
-    """Write JSON to ``path`` through a temporary file and ``os.replace``: readers see old or new, never half."""
+    """Write JSON to ``path`` via a temporary file and ``os.replace``: readers see old or new, never half."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as fh:
         json.dump(doc, fh, indent=2, sort_keys=True)

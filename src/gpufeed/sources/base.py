@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol, Union, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-#: Rows to read: a contiguous ``range(start, stop)`` (step 1) or a sorted 1-D int64 numpy array of sample indices.
-Rows = Union[range, np.ndarray]
+#: Rows to read: a contiguous ``range(start, stop)`` (step 1) or a sorted 1-D int64 numpy array of indices.
+Rows = range | np.ndarray
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,9 @@ class GDSSource:
         self._len = len(inner)
         self._inner_repr = repr(inner)
         self._task_size = task_size
-        self._where = f"GDSSource({os.path.basename(self._paths[0])}{', ...' if len(self._paths) > 1 else ''})"
+        self._where = (
+            f"GDSSource({os.path.basename(self._paths[0])}{', ...' if len(self._paths) > 1 else ''})"
+        )
         self._configure(mode, num_threads)
 
     def _configure(self, mode: str, num_threads: int | None) -> None:

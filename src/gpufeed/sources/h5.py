@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field as dc_field
+from dataclasses import dataclass
+from dataclasses import field as dc_field
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -111,7 +112,10 @@ class H5Source:
         self._datasets = dict(names)
         self._layouts = {name: _layout(name, [ff[name] for ff in found], self._paths) for name in names}
         self._fields = {n: lay.field for n, lay in self._layouts.items()}
-        self._how = {name: [(p, ff[name].kind, ff[name].reason) for p, ff in zip(self._paths, found)] for name in names}
+        self._how = {
+            name: [(p, ff[name].kind, ff[name].reason) for p, ff in zip(self._paths, found, strict=True)]
+            for name in names
+        }
         self._len = len(next(iter(self._layouts.values())))
         self._where = f"H5Source({os.path.basename(self._paths[0])}{', ...' if len(self._paths) > 1 else ''})"
         self._fds = FileDescriptors(self._paths)
@@ -176,7 +180,9 @@ class H5Source:
             dest = mv[r.out_offset : r.out_offset + r.nbytes]
             pread_exact(self._fds.get(r.file), dest, r.file_offset, self._paths[r.file])
 
-    def _read_mixed(self, layout: Layout, runs: list[tuple[int, int]], t: torch.Tensor, mv: memoryview) -> None:
+    def _read_mixed(
+        self, layout: Layout, runs: list[tuple[int, int]], t: torch.Tensor, mv: memoryview
+    ) -> None:
         arr = t.numpy()
         rn = layout.row_nbytes
         for ext, r, k, o in layout.split(runs):
@@ -257,8 +263,11 @@ def _available(h5py: Any, f: Any) -> str:
     return shown or "none"
 
 
-def _inspect(h5py: Any, f: Any, ds: str, path: str, file_index: int, use_offsets: bool) -> _Found:
-    """Check one dataset and decide how its rows will be read."""
+def _inspect(
+    h5py: Any, f: Any, ds: str, path: str, file_index: int, use_offsets: bool, indirect_ok: bool = False
+) -> _Found:
+    """Check one dataset and decide how its rows will be read (``indirect_ok``: accept virtual and
+    external storage, which h5py reads; the converter materializes them)."""
     try:
         dset = f.get(ds)
     except (KeyError, OSError) as exc:  # e.g. a dangling external link
@@ -272,16 +281,16 @@ def _inspect(h5py: Any, f: Any, ds: str, path: str, file_index: int, use_offsets
         raise ValueError(f"H5Source: {path}: '{ds}' is a group, not a dataset; name a dataset inside it")
     where = f"H5Source: {path}: dataset '{ds}'"
     dcpl = dset.id.get_create_plist()
-    if dset.is_virtual:
+    if dset.is_virtual and not indirect_ok:
         raise ValueError(
             f"{where} is a virtual dataset (it maps other files); gpufeed reads stored data only: pass the "
-            "source files it maps, or materialize it with h5repack"
+            "source files it maps, or materialize it with gpufeed convert (convert_h5_to_raw)"
         )
-    if dcpl.get_external_count() > 0:
+    if dcpl.get_external_count() > 0 and not indirect_ok:
         ext = dcpl.get_external(0)[0].decode(errors="replace")
         raise ValueError(
             f"{where} keeps its data in external raw file(s) (first: {ext}); read that file with "
-            "RawSource(..., dtype=, shape=), or copy it into the HDF5 file with h5repack"
+            "RawSource(..., dtype=, shape=), or materialize it with gpufeed convert (convert_h5_to_raw)"
         )
     field = _field(h5py, dset, ds, where)
     rows = int(dset.shape[0])
@@ -323,7 +332,11 @@ def _choose(dset, dcpl, field: Field, rows: int, file_index: int, use_offsets: b
         offset = h5d.get_offset()
         if offset is None:
             return "h5py", "h5py: storage never allocated (no data written; reads give the fill value)", []
-        return "contiguous", "contiguous (read by byte offset with os.preadv)", [Extent(file_index, offset, rows)]
+        return (
+            "contiguous",
+            "contiguous (read by byte offset with os.preadv)",
+            [Extent(file_index, offset, rows)],
+        )
     if layout != 2:
         return "h5py", f"h5py: storage layout {layout}", []
     return _choose_chunked(dset, dcpl, field, rows, file_index)
@@ -337,10 +350,16 @@ def _choose_chunked(dset, dcpl, field: Field, rows: int, file_index: int):
         return "h5py", f"h5py: filters {names} (HDF5 decodes the chunks)", []
     chunks = tuple(dset.chunks)
     if chunks[1:] != tuple(dset.shape[1:]):
-        return "h5py", (
-            f"h5py: chunks {chunks} split a sample of shape {tuple(dset.shape[1:])}; byte offsets need "
-            "chunks that hold whole samples (rechunk with h5repack -l CHUNK=N" + "x..." * (dset.ndim - 1) + ")"
-        ), []
+        return (
+            "h5py",
+            (
+                f"h5py: chunks {chunks} split a sample of shape {tuple(dset.shape[1:])}; byte offsets need "
+                "chunks that hold whole samples (rechunk with h5repack -l CHUNK=N"
+                + "x..." * (dset.ndim - 1)
+                + ")"
+            ),
+            [],
+        )
     c = chunks[0]
     want = -(-rows // c) if rows else 0
     stored: list[Any] = []
@@ -359,9 +378,11 @@ def _choose_chunked(dset, dcpl, field: Field, rows: int, file_index: int):
             return "h5py", f"h5py: chunk at row {start} is stored as {s.size} bytes, not {chunk_bytes}", []
         extents.append(Extent(file_index, s.byte_offset, min(c, rows - start)))
     extents = merge_extents(extents, field.sample_nbytes)
-    return "chunked", (
-        f"chunked, uncompressed ({want} chunks of {c} rows in {len(extents)} runs; read by byte offset)"
-    ), extents
+    return (
+        "chunked",
+        (f"chunked, uncompressed ({want} chunks of {c} rows in {len(extents)} runs; read by byte offset)"),
+        extents,
+    )
 
 
 def _check_counts(path: str, per_field: Mapping[str, _Found]) -> None:
@@ -377,7 +398,7 @@ def _check_counts(path: str, per_field: Mapping[str, _Found]) -> None:
 def _layout(name: str, found: Sequence[_Found], paths: Sequence[str]) -> Layout:
     first = found[0].field
     field = Field(name, first.shape, first.dtype)
-    for path, f in zip(paths, found):
+    for path, f in zip(paths, found, strict=True):
         if (f.field.shape, f.field.dtype) != (first.shape, first.dtype):
             raise ValueError(
                 f"H5Source: field '{name}' holds samples of {f.field.shape} {f.field.dtype} in {path} but "

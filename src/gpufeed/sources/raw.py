@@ -55,7 +55,7 @@ class RawSource:
     Example:
         >>> np.save("x.npy", np.zeros((100, 3, 32, 32), np.uint8))      # doctest: +SKIP
         >>> src = RawSource("x.npy")                                      # doctest: +SKIP
-        >>> src = RawSource(fields={"x": "x.npy", "y": {"paths": "y.bin", "dtype": "int64"}})  # doctest: +SKIP
+        >>> src = RawSource(fields={"x": "x.npy", "y": {"paths": "y.bin", "dtype": "i8"}})  # doctest: +SKIP
         >>> out = {"x": torch.empty(8, 3, 32, 32, dtype=torch.uint8), "y": torch.empty(8, dtype=torch.int64)}
         >>> src.read(range(0, 8), out)                                    # doctest: +SKIP
     """
@@ -79,14 +79,18 @@ class RawSource:
                 raise ValueError("RawSource: pass paths=... (a file or a list of files) or fields={...}")
             if _is_manifest(paths):
                 if dtype is not None or shape is not None:
-                    raise ValueError("RawSource: a manifest records dtype and shape; do not pass dtype=/shape=")
+                    raise ValueError(
+                        "RawSource: a manifest records dtype and shape; do not pass dtype=/shape="
+                    )
                 self._build(_from_manifest(paths))
                 return
             fields = {name: paths}
         elif paths is not None:
             raise ValueError("RawSource: pass either paths=... or fields={...}, not both")
         if not isinstance(fields, Mapping) or not fields:
-            raise ValueError(f"RawSource: fields must be a non-empty mapping of name -> files, got {fields!r}")
+            raise ValueError(
+                f"RawSource: fields must be a non-empty mapping of name -> files, got {fields!r}"
+            )
         defaults = {"dtype": dtype, "shape": shape, "offset": offset}
         self._build([_field_files(str(n), spec, defaults) for n, spec in fields.items()])
 
@@ -192,7 +196,9 @@ def _from_manifest(path: PathLike) -> list[tuple[Field, list[tuple[str, int, int
     return out
 
 
-def _field_files(name: str, spec: FieldSpec, defaults: dict[str, Any]) -> tuple[Field, list[tuple[str, int, int]]]:
+def _field_files(
+    name: str, spec: FieldSpec, defaults: dict[str, Any]
+) -> tuple[Field, list[tuple[str, int, int]]]:
     """The field and its ``(path, data offset, rows)`` files, from a spec of paths or a dict."""
     opts = dict(defaults)
     if isinstance(spec, Mapping):
@@ -207,13 +213,13 @@ def _field_files(name: str, spec: FieldSpec, defaults: dict[str, Any]) -> tuple[
     paths = as_paths(spec, f"RawSource field '{name}'")
     opened = [_open_one(name, path, opts) for path in paths]
     field = opened[0][0]
-    for path, (f, _, _) in zip(paths, opened):
+    for path, (f, _, _) in zip(paths, opened, strict=True):
         if (f.dtype, f.shape) != (field.dtype, field.shape):
             raise ValueError(
                 f"RawSource field '{name}': {path} holds samples of {f.shape} {f.dtype} but {paths[0]} "
                 f"holds {field.shape} {field.dtype}; concatenated files must agree"
             )
-    return field, [(path, off, rows) for path, (_, off, rows) in zip(paths, opened)]
+    return field, [(path, off, rows) for path, (_, off, rows) in zip(paths, opened, strict=True)]
 
 
 def _open_one(name: str, path: str, opts: dict[str, Any]) -> tuple[Field, int, int]:
@@ -275,7 +281,9 @@ def _npy_header(path: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
             read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
             shape, fortran, dtype = read(fh)
         except ValueError as exc:
-            raise ValueError(f"RawSource: {path} is not a valid .npy file ({exc}); write it with np.save") from exc
+            raise ValueError(
+                f"RawSource: {path} is not a valid .npy file ({exc}); write it with np.save"
+            ) from exc
         return shape, fortran, dtype, fh.tell()
 
 

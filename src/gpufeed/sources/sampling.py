@@ -6,13 +6,13 @@ shuffle the same way and every rank of a distributed job computes the same globa
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal
 
 import numpy as np
 
 from .base import Rows
 
-Shuffle = Union[bool, Literal["blocks"]]
+Shuffle = bool | Literal["blocks"]
 
 
 def plan_batches(
@@ -45,7 +45,8 @@ def plan_batches(
             per epoch; each batch is a sorted int64 array (its membership is random, its rows come in
             ascending order, which lets sources merge adjacent rows into one read; order inside a batch
             does not matter for SGD). ``"blocks"``: the order of contiguous batch-sized blocks is
-            shuffled, each batch still a ``range`` (fast sequential reads, coarser randomness).
+            shuffled, each batch still a ``range`` (fast sequential reads, coarser randomness: which
+            rows share a batch never changes).
         drop_last: drop the samples that do not fill a whole round of ``world_size`` full batches, so every
             batch holds exactly ``batch_size`` rows (with shuffling, which samples are dropped changes
             every epoch).
@@ -121,7 +122,7 @@ def coalesce(rows: Rows) -> list[tuple[int, int]]:
     breaks = np.flatnonzero(np.diff(a) != 1) + 1
     starts = a[np.concatenate(([0], breaks))]
     stops = a[np.concatenate((breaks - 1, [a.size - 1]))] + 1
-    return list(zip(starts.tolist(), stops.tolist()))
+    return list(zip(starts.tolist(), stops.tolist(), strict=True))
 
 
 def _check_args(n, b, shuffle, drop_last, seed, epoch, rank, world_size, pad) -> None:
@@ -188,5 +189,10 @@ def _block_batches(bounds, n, b, w, rank, rng, drop_last) -> list[Rows]:
         picked = rng.permutation(len(blocks))[: len(bounds)]
         chosen = [blocks[i] for i in picked]
     else:
-        chosen = [bounds[i] for i in rng.permutation(len(bounds))]
+        # Shuffle the full blocks, then the order of rounds of ``w`` blocks: a tail round (smaller
+        # blocks, one per rank) lands anywhere in the epoch, and every rank still gets as many rows.
+        full = [i for i, (a, c) in enumerate(bounds) if c - a == b]
+        order = [full[i] for i in rng.permutation(len(full))] + list(range(len(full), len(bounds)))
+        rounds = [order[i : i + w] for i in range(0, len(order), w)]
+        chosen = [bounds[i] for r in rng.permutation(len(rounds)) for i in rounds[r]]
     return [_batch(None, n, start, stop) for start, stop in chosen[rank::w]]

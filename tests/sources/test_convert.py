@@ -1,0 +1,160 @@
+"""convert_h5_to_raw: round trip through RawSource, alignment, caching, reconversion, bounded chunks."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+h5py = pytest.importorskip("h5py")
+
+from gpufeed.convert import convert_h5_to_raw  # noqa: E402
+from gpufeed.sources import RawSource  # noqa: E402
+from gpufeed.testing import SourceContract  # noqa: E402
+
+
+def _data(n: int = 37) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(5)
+    return {
+        "x": rng.integers(0, 256, size=(n, 2, 3), dtype=np.uint8),
+        "grp/y": rng.integers(0, 10, size=n).astype(np.int64),
+        "w": rng.standard_normal((n, 3)).astype(np.float32),
+    }
+
+
+def _h5(path, data, big_endian_w=False, gzip=False):
+    with h5py.File(path, "w") as f:
+        for name, arr in data.items():
+            if big_endian_w and name == "w":
+                arr = arr.astype(">f4")
+            kw = {"chunks": True, "compression": "gzip"} if gzip else {}
+            f.create_dataset(name, data=arr, **kw)
+
+
+class TestRawFromManifest(SourceContract):
+    """The converter's output, read back (gzip and big-endian sources, small chunks to stream)."""
+
+    def make_source(self, tmp_path):
+        data = _data()
+        _h5(tmp_path / "in.h5", data, big_endian_w=True, gzip=True)
+        manifest = convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw", chunk_bytes=50)
+        return RawSource.from_manifest(manifest), data
+
+
+def test_manifest_contents_and_alignment(tmp_path):
+    data = _data()
+    _h5(tmp_path / "in.h5", data)
+    manifest = convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw", align=512)
+    assert manifest == tmp_path / "raw" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    assert doc["format"] == "gpufeed.raw" and doc["version"] == 1 and doc["num_samples"] == 37
+    assert doc["source"]["path"] == str((tmp_path / "in.h5").resolve())
+    assert doc["source"]["size"] == os.path.getsize(tmp_path / "in.h5")
+    y = doc["fields"]["grp/y"]
+    assert y == {
+        "file": "grp__y.bin",
+        "dtype": "<i8",
+        "shape": [],
+        "num_samples": 37,
+        "offset": 0,
+        "file_size": 512,
+    }
+    for spec in doc["fields"].values():
+        assert spec["offset"] % 512 == 0
+        assert os.path.getsize(tmp_path / "raw" / spec["file"]) == spec["file_size"]
+        assert spec["file_size"] % 512 == 0
+    assert sorted(os.listdir(tmp_path / "raw")) == ["grp__y.bin", "manifest.json", "w.bin", "x.bin"]
+
+
+def test_passing_the_manifest_path_or_directory_to_raw_source(tmp_path):
+    data = _data()
+    _h5(tmp_path / "in.h5", data)
+    manifest = convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw", fields=["x"])
+    for arg in (manifest, str(manifest), tmp_path / "raw"):
+        src = RawSource(arg)
+        assert list(src.fields) == ["x"] and len(src) == 37
+
+
+def test_rerun_with_unchanged_source_does_nothing(tmp_path):
+    _h5(tmp_path / "in.h5", _data())
+    manifest = convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")
+    before = {p: os.stat(tmp_path / "raw" / p).st_mtime_ns for p in os.listdir(tmp_path / "raw")}
+    os.utime(tmp_path / "raw" / "x.bin", ns=(1, 1))  # a rewrite would change this again
+    before["x.bin"] = 1
+    assert convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw") == manifest
+    after = {p: os.stat(tmp_path / "raw" / p).st_mtime_ns for p in os.listdir(tmp_path / "raw")}
+    assert after == before
+
+
+def test_changed_source_is_reconverted(tmp_path):
+    _h5(tmp_path / "in.h5", _data())
+    convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")
+    new = _data(50)
+    new["x"][:] = 9
+    _h5(tmp_path / "in.h5", new)
+    st = os.stat(tmp_path / "in.h5")
+    os.utime(tmp_path / "in.h5", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # coarse mtime clocks
+    src = RawSource(convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw"))
+    assert len(src) == 50
+    out = {name: SourceContract.empty_out(src, 50)[name] for name in src.fields}
+    src.read(range(50), out)
+    assert (out["x"].numpy() == 9).all()
+
+
+def test_changed_fields_are_reconverted(tmp_path):
+    _h5(tmp_path / "in.h5", _data())
+    convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw", fields=["x"])
+    src = RawSource(convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw", fields=["x", "w"]))
+    assert sorted(src.fields) == ["w", "x"]
+
+
+def test_damaged_output_is_reconverted(tmp_path):
+    _h5(tmp_path / "in.h5", _data())
+    convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")
+    with open(tmp_path / "raw" / "w.bin", "r+b") as fh:
+        fh.truncate(10)
+    assert len(RawSource(convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw"))) == 37
+
+
+def test_streams_in_bounded_chunks(tmp_path, monkeypatch):
+    # Every read_direct the converter makes stays within chunk_bytes (rounded to whole rows).
+    data = {"x": np.arange(4000, dtype=np.float32).reshape(1000, 4)}
+    _h5(tmp_path / "in.h5", data)
+    sizes = []
+    real = h5py.Dataset.read_direct
+
+    def spy(self, dest, source_sel=None, dest_sel=None):
+        sizes.append(dest.nbytes)
+        return real(self, dest, source_sel, dest_sel)
+
+    monkeypatch.setattr(h5py.Dataset, "read_direct", spy)
+    src = RawSource(convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw", chunk_bytes=1600))
+    assert sizes and max(sizes) <= 1600 and len(sizes) == 10
+    out = {"x": SourceContract.empty_out(src, 1000)["x"]}
+    src.read(range(1000), out)
+    assert np.array_equal(out["x"].numpy(), data["x"])
+
+
+def test_no_temporary_files_left_and_manifest_is_written_last(tmp_path):
+    _h5(tmp_path / "in.h5", _data())
+    convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")
+    assert not [p for p in os.listdir(tmp_path / "raw") if "tmp" in p]
+
+
+def test_failed_conversion_leaves_no_manifest(tmp_path):
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["x"] = np.zeros((5, 2), np.float32)
+        f["s"] = np.array(["a", "b", "c", "d", "e"], dtype=h5py.string_dtype())
+    with pytest.raises(ValueError, match=r"strings"):
+        convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")
+    assert not (tmp_path / "raw" / "manifest.json").exists()
+
+
+def test_bad_arguments(tmp_path):
+    _h5(tmp_path / "in.h5", _data())
+    with pytest.raises(ValueError, match=r"power of two"):
+        convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw", align=1000)
+    with pytest.raises(FileNotFoundError, match=r"nope.h5"):
+        convert_h5_to_raw(tmp_path / "nope.h5", tmp_path / "raw")
