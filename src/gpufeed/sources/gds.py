@@ -99,8 +99,9 @@ class GDSSource:
         self._configure(mode, num_threads)
 
     def _configure(self, mode: str, num_threads: int | None) -> None:
-        kvikio = require("kvikio", "GDSSource")
-        compat = bool(kvikio.defaults.is_compat_mode_preferred())
+        require("kvikio", "GDSSource")
+        defaults = require("kvikio.defaults", "GDSSource")  # a submodule `import kvikio` does not load
+        compat = bool(defaults.is_compat_mode_preferred())
         if mode == "gds" and compat:
             raise RuntimeError(
                 "GDSSource(mode='gds'): GPUDirect Storage is not available here (kvikio prefers compat "
@@ -108,10 +109,10 @@ class GDSSource:
             )
         self._requested = mode
         self._mode: Literal["gds", "compat"] = "compat" if (compat or mode == "compat") else "gds"
-        current = int(kvikio.defaults.get("num_threads"))
+        current = int(defaults.get("num_threads"))
         want = num_threads or (current if current > 1 else max(2, min(16, os.cpu_count() or 1)))
         if want != current:
-            kvikio.defaults.set({"num_threads": want})  # process-wide; takes effect for later reads
+            defaults.set({"num_threads": want})  # process-wide; takes effect for later reads
         self._num_threads = want
         self._files = _CuFiles(self._paths)
 
