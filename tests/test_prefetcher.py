@@ -216,9 +216,9 @@ def test_transform_error_arrives_with_its_type(device):
 
 def test_transform_runs_on_each_batch(device):
     data = [torch.arange(4, dtype=torch.uint8) + i for i in range(3)]
-    with CudaPrefetcher(data, device=device, transform=lambda t: t.float() / 255) as pf:
+    with CudaPrefetcher(data, device=device, transform=lambda t: t.float() * 0.5 - 1) as pf:
         got = [b.cpu() for b in pf]
-    assert all(torch.equal(g, d.float() / 255) for g, d in zip(got, data))
+    assert all(torch.equal(g, d.float() * 0.5 - 1) for g, d in zip(got, data))  # exact in float32
 
 
 # -- shutdown ------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def test_pipeline_copies_every_byte(nbytes):
     dst = torch.empty_like(src)
     pool = PinnedPool(budget=64 << 10, chunk_bytes=16 << 10, pin=False)
     with ThreadPoolExecutor(4) as ex:
-        ChunkPipeline(pool, ex, None, max_in_flight=8).run(plan_leaf_chunks(src, dst, 16 << 10, 4096), STOP)
+        ChunkPipeline(pool, ex, None, max_in_flight=8).run(plan_leaf_chunks(src, dst, 16 << 10), STOP)
     assert torch.equal(src, dst)
     assert pool.allocated <= 64 << 10
 
@@ -62,12 +62,13 @@ def test_pipeline_error_in_a_fill_is_raised_and_buffers_come_back():
     pool = PinnedPool(budget=64 << 10, chunk_bytes=16 << 10, pin=False)
     src = torch.zeros(64 << 10, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    chunks = plan_leaf_chunks(src, dst, 16 << 10, 4096)
+    chunks = plan_leaf_chunks(src, dst, 16 << 10)
 
     def bad(buf):
         raise OSError("disk gone")
 
-    chunks[2].fills[1] = bad
+    chunks[2].src = None
+    chunks[2].fills = [lambda buf: None, bad]
     with ThreadPoolExecutor(2) as ex, pytest.raises(OSError, match="disk gone"):
         ChunkPipeline(pool, ex, None, max_in_flight=8).run(chunks, STOP)
     assert len(pool._free) == pool.allocations  # every buffer is back in the pool

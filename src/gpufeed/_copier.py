@@ -126,7 +126,7 @@ class Copier:
                 elif self._pinned_ok():
                     src = t.contiguous()
                     keep.append(src)
-                    chunks += plan_leaf_chunks(src, dst, self.pool.chunk_bytes, self.pool.fill_bytes)
+                    chunks += plan_leaf_chunks(src, dst, self.pool.chunk_bytes)
                     staged += n
                 else:
                     dst.copy_(t)  # pageable fallback, still off the consumer's thread

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from dataclasses import dataclass
@@ -36,25 +37,31 @@ class End:
 END = End()
 
 
-def put(q: queue.Queue, item: Any, stop: threading.Event) -> None:
-    """Put ``item`` on ``q``, giving up with :class:`Stopped` once ``stop`` is set."""
-    while True:
-        try:
-            q.put(item, timeout=POLL_S)
-            return
-        except queue.Full:
-            if stop.is_set():
-                raise Stopped from None
+class Slots:
+    """A counting semaphore in C: ``depth`` tokens in a SimpleQueue.
 
+    ``threading.Semaphore`` is written in Python and costs the consumer microseconds per batch;
+    ``SimpleQueue`` put/get are C calls. The consumer returns a token as it takes a batch
+    (:meth:`release`); the background thread takes one before it starts a batch (:meth:`acquire`).
+    """
 
-def acquire(sem: threading.Semaphore, stop: threading.Event) -> None:
-    """Acquire ``sem``, giving up with :class:`Stopped` once ``stop`` is set."""
-    while not sem.acquire(timeout=POLL_S):
+    def __init__(self, n: int) -> None:
+        self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
+        for _ in range(n):
+            self._tokens.put(None)
+        self.release = functools.partial(self._tokens.put, None)
+
+    def acquire(self, stop: threading.Event) -> None:
+        """Take a token, giving up with :class:`Stopped` once ``stop`` is set."""
+        while True:
+            try:
+                self._tokens.get(timeout=POLL_S)
+                break
+            except queue.Empty:
+                if stop.is_set():
+                    raise Stopped from None
         if stop.is_set():
             raise Stopped
-    if stop.is_set():
-        sem.release()
-        raise Stopped
 
 
 def check(stop: threading.Event) -> None:

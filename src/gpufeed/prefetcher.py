@@ -224,8 +224,8 @@ class _EpochIterator:
 
     def __init__(self, pf: CudaPrefetcher, batches: Iterable[Any]) -> None:
         self._pf = pf  # keeps the prefetcher (stream, pool) alive while an epoch runs
-        self._queue: queue.Queue = queue.Queue()
-        self._slots = threading.Semaphore(pf.depth)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._slots = _worker.Slots(pf.depth)
         self._stop = threading.Event()
         self._done = False
         self._reason = ""
@@ -287,7 +287,7 @@ class _EpochIterator:
         self._shutdown("closed")
 
 
-def _produce(batches: Iterable[Any], copier: Copier, q: queue.Queue, slots: threading.Semaphore,
+def _produce(batches: Iterable[Any], copier: Copier, q: queue.SimpleQueue, slots: _worker.Slots,
              stop: threading.Event, consumer_stream: torch.cuda.Stream | None) -> None:
     """The background thread: pull, stage and copy each batch, then put it on the queue."""
     it = None
@@ -297,28 +297,25 @@ def _produce(batches: Iterable[Any], copier: Copier, q: queue.Queue, slots: thre
         it = iter(batches)
         for index in itertools.count():
             _worker.check(stop)
-            _worker.acquire(slots, stop)
+            slots.acquire(stop)
             t0 = time.perf_counter()
             with _nvtx.range("gpufeed.fetch"):
                 raw = next(it, _worker.END)
             copier.stats.add(fetch_s=time.perf_counter() - t0)
             if raw is _worker.END:
                 break
-            _worker.put(q, copier.deliver(raw, index, stop, consumer_stream), stop)
-        _worker.put(q, _worker.END, stop)
+            q.put(copier.deliver(raw, index, stop, consumer_stream))
+        q.put(_worker.END)
     except _worker.Stopped:
         pass
     except BaseException as exc:  # forwarded with its traceback; re-raised in the consumer
-        try:
-            _worker.put(q, _worker.Failure(exc), stop)
-        except _worker.Stopped:
-            pass
+        q.put(_worker.Failure(exc))
     finally:
         del it  # a DataLoader iterator shuts its workers down here
         copier.finish()
 
 
-def _stop_thread(stop: threading.Event, thread: threading.Thread, q: queue.Queue) -> None:
+def _stop_thread(stop: threading.Event, thread: threading.Thread, q: queue.SimpleQueue) -> None:
     stop.set()
     if thread is not threading.current_thread():
         thread.join(_JOIN_S)

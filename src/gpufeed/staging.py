@@ -1,9 +1,11 @@
 """Staging through pinned memory: a bounded pool of reused pinned buffers and the chunk pipeline.
 
-The pipeline turns a batch into *chunks*. Each chunk is filled into a pinned buffer by a worker
-thread (a ``memcpy`` from pageable memory, or a source's ``read``), then the background thread issues
-its host-to-device copies on the copy stream and records the buffer's event. Worker threads fill
-chunk ``i + 1 ...`` while chunk ``i`` is on the PCIe link, so the two stages overlap.
+The pipeline turns a batch into *chunks*. Each chunk is filled into a pinned buffer, then the
+background thread issues its host-to-device copies on the copy stream and records the buffer's event.
+Pageable tensors are filled by torch's own multi-threaded CPU copy (intra-op threads, GIL released):
+measured on an H200 machine it ran at about 49 GB/s where 16 Python threads calling ``memmove`` reached
+38. Source reads (``preadv``) are filled by worker threads. Chunk ``i + 1`` is filled while chunk
+``i`` is on the PCIe link, so the two stages overlap.
 
 Invariant (kept by :class:`PinnedPool`): a pinned buffer is handed out again only after the event
 recorded behind the last copy that read it has completed, so a fill never overwrites bytes that
@@ -13,7 +15,6 @@ the copy engine has not yet read. Only the background thread records and queries
 from __future__ import annotations
 
 import collections
-import ctypes
 import threading
 import time
 import warnings
@@ -147,18 +148,7 @@ class Chunk:
     nbytes: int
     fills: list[Callable[[torch.Tensor], None]]
     copies: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
-
-
-def memcpy_fill(src_addr: int, offset: int, nbytes: int) -> Callable[[torch.Tensor], None]:
-    """A fill that copies ``nbytes`` from host address ``src_addr`` to ``buf[offset:]``.
-
-    ``ctypes.memmove`` is a foreign call, so it runs without the GIL: fills proceed in parallel.
-    """
-
-    def fill(buf: torch.Tensor) -> None:
-        ctypes.memmove(buf.data_ptr() + offset, src_addr, nbytes)
-
-    return fill
+    src: torch.Tensor | None = None  # a flat uint8 host view: filled by one torch copy, in this thread
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -171,15 +161,11 @@ def split(total: int, piece: int) -> list[tuple[int, int]]:
     return [(off, min(piece, total - off)) for off in range(0, total, piece)]
 
 
-def plan_leaf_chunks(src: torch.Tensor, dst: torch.Tensor, chunk_bytes: int, fill_bytes: int) -> list[Chunk]:
+def plan_leaf_chunks(src: torch.Tensor, dst: torch.Tensor, chunk_bytes: int) -> list[Chunk]:
     """Chunks that stage the contiguous host tensor ``src`` into device tensor ``dst``, byte for byte."""
-    dst_bytes = byte_view(dst)
-    base = src.data_ptr()
-    chunks = []
-    for off, n in split(src.numel() * src.element_size(), chunk_bytes):
-        fills = [memcpy_fill(base + off + o, o, k) for o, k in split(n, fill_bytes)]
-        chunks.append(Chunk(n, fills, [(dst_bytes[off : off + n], 0, n)]))
-    return chunks
+    dst_bytes, src_bytes = byte_view(dst), byte_view(src)
+    return [Chunk(n, [], [(dst_bytes[off : off + n], 0, n)], src=src_bytes[off : off + n])
+            for off, n in split(src.numel() * src.element_size(), chunk_bytes)]
 
 
 class ChunkPipeline:
@@ -208,8 +194,14 @@ class ChunkPipeline:
                     if buf is None:
                         break
                     chunk = todo.popleft()
+                    if chunk.src is not None:  # torch's parallel copy, GIL released; then straight to H2D
+                        buf.tensor[: chunk.nbytes].copy_(chunk.src)
+                        self._copy(chunk, buf)
+                        continue
                     futs = [self.executor.submit(fill, buf.tensor) for fill in chunk.fills]
                     pending.append((chunk, buf, futs))
+                if not pending:
+                    continue
                 chunk, buf, futs = pending[0]
                 for fut in futs:
                     _result(fut, stop)
