@@ -1,0 +1,712 @@
+"""Files to GPU batches: gpufeed's sources against the ways people read HDF5 and raw files today.
+
+Run it on the GPU machine, in one process (a few minutes; it writes about 6.5 GiB of data first)::
+
+    PYTHONPATH=src python benchmarks/bench_sources.py       # benchmarks/results/sources-<card>.{json,md}
+    python benchmarks/bench_sources.py --smoke              # tiny, on the CPU, seconds (CI)
+
+Data, written once into ``--data-dir`` (a temporary folder by default, removed afterwards): ``--gib`` of
+uint8 samples of shape (3, 64, 64) as ``x.npy``, the same bytes as a contiguous and a chunked (about 1 MiB
+chunks, uncompressed) dataset of ``data.h5``, and ``--gzip-gib`` of compressible samples as a gzip
+(level 1) dataset of ``gzip.h5``. Every method delivers the whole dataset in order, as ``--batch-mib``
+batches on the device; it runs once to warm up and check the first and last batch byte for byte, then
+``--reps`` timed epochs, and the figure is the median ``GBps`` (bytes / wall time, up to a device
+synchronize after the last batch).
+
+Methods:
+
+* ``pread16_ceiling``: the ceiling. ``--threads`` threads ``os.preadv`` each batch of the same file into one
+  of two pinned buffers, and a side stream copies it to the device, overlapped with the next read.
+* ``numpy_memmap_to``: ``torch.from_numpy(np.ascontiguousarray(mmap[a:b])).to(device)``.
+* ``h5py_slice_to``: ``torch.from_numpy(dset[a:b]).to(device)``, the usual HDF5 loop.
+* ``h5py_read_direct_pinned``: ``dset.read_direct`` into two pinned buffers, ``non_blocking`` copies.
+* ``gpufeed_raw`` / ``gpufeed_h5`` / ``gpufeed_gds``: ``CudaPrefetcher(source, batch_size=.., depth=3)`` with
+  ``RawSource``, ``H5Source`` and ``GDSSource`` (its ``mode`` is reported).
+
+``frac_of_ceiling`` divides by the ``pread16_ceiling`` of the same cache state. Cold rows drop the files from
+the page cache before each epoch (``posix_fadvise DONTNEED`` per file, and ``/proc/sys/vm/drop_caches``
+when writable, except in ``--smoke`` runs); the JSON says which worked and how much of the files stayed cached. The
+``*_shuffled`` workload reads random batches (``shuffle=True``: sorted random rows, one ``pread`` per run).
+On CUDA, the ``compute`` workload adds a matmul loop on the default stream that takes about 1.2x the copy
+time of a batch and reports ``step_over_compute`` (1.0 = reading fully hidden behind compute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+try:
+    import gpufeed
+except ImportError:  # a checkout without an install: run the working tree's src/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    import gpufeed
+from gpufeed import CudaPrefetcher
+from gpufeed.sources import GDSSource, H5Source, RawSource
+
+MiB, GiB = 1 << 20, 1 << 30
+FULL = {"gib": 2.0, "gzip_gib": 0.25, "batch_mib": 48.0, "reps": 2, "sample": (3, 64, 64)}
+SMOKE = {"gib": 1 / 128, "gzip_gib": 1 / 512, "batch_mib": 0.25, "reps": 1, "sample": (3, 16, 16)}
+COMPUTE_OVER_COPY = 1.2
+TARGETS = (
+    (
+        "raw file in page cache -> GPU: gpufeed_raw >= 0.9 x pread16_ceiling",
+        "raw",
+        "warm",
+        "gpufeed_raw",
+        0.9,
+    ),
+    ("HDF5 contiguous -> GPU: gpufeed_h5 >= 5 x h5py_slice_to", "h5_contiguous", "warm", "gpufeed_h5", 5.0),
+    ("cold disk -> GPU: gpufeed_raw >= 0.9 x pread16_ceiling (cold)", "raw", "cold", "gpufeed_raw", 0.9),
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    device: torch.device
+    sample: tuple[int, ...]
+    rows: int
+    gzip_rows: int
+    batch_rows: int
+    reps: int
+    threads: int
+    out: Path
+    data_dir: Path | None
+    keep: bool
+    smoke: bool
+    cold: bool
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def sample_bytes(self) -> int:
+        return int(np.prod(self.sample))
+
+
+def parse_args(argv: list[str] | None) -> Config:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU unless --device is given (CI)")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
+    p.add_argument("--gib", type=float, help=f"dataset size in GiB (default {FULL['gib']})")
+    p.add_argument("--gzip-gib", type=float, help=f"gzip dataset size in GiB (default {FULL['gzip_gib']})")
+    p.add_argument("--batch-mib", type=float, help=f"batch size in MiB (default {FULL['batch_mib']})")
+    p.add_argument("--reps", type=int, help=f"timed epochs per method (default {FULL['reps']})")
+    p.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1), help="ceiling reader threads")
+    p.add_argument("--no-cold", action="store_true", help="skip the cold page cache rows")
+    p.add_argument(
+        "--data-dir", type=Path, default=None, help="where to write the data (default: a temp dir)"
+    )
+    p.add_argument("--keep", action="store_true", help="keep the data files afterwards")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parent / "results",
+        help="folder for sources-<card>.json/.md (default: benchmarks/results)",
+    )
+    a = p.parse_args(argv)
+    base = SMOKE if a.smoke else FULL
+    sample = tuple(base["sample"])
+    sample_bytes = int(np.prod(sample))
+    gib = a.gib if a.gib is not None else base["gib"]
+    gzip_gib = a.gzip_gib if a.gzip_gib is not None else base["gzip_gib"]
+    batch_mib = a.batch_mib if a.batch_mib is not None else base["batch_mib"]
+    reps = a.reps if a.reps is not None else base["reps"]
+    if min(gib, gzip_gib, batch_mib) <= 0 or reps < 1 or a.threads < 1:
+        raise SystemExit("--gib, --gzip-gib, --batch-mib must be > 0, --reps and --threads >= 1")
+    return Config(
+        device=_device(a.device, a.smoke),
+        sample=sample,
+        rows=max(2, int(gib * GiB) // sample_bytes),
+        gzip_rows=max(2, int(gzip_gib * GiB) // sample_bytes),
+        batch_rows=max(1, int(batch_mib * MiB) // sample_bytes),
+        reps=reps,
+        threads=a.threads,
+        out=a.out,
+        data_dir=a.data_dir,
+        keep=a.keep,
+        smoke=a.smoke,
+        cold=not a.no_cold,
+    )
+
+
+def _device(name: str | None, smoke: bool) -> torch.device:
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() and not smoke else "cpu"
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {name}: CUDA is not available here; use --device cpu or --smoke")
+        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+        torch.cuda.set_device(dev)
+    elif dev.type != "cpu":
+        raise SystemExit(f"--device must be cuda, cuda:N or cpu, got {name}")
+    return dev
+
+
+def card_name(device: torch.device) -> str:
+    """The slug of the GPU's name (``nvidia-h100-80gb-hbm3``), or ``cpu``."""
+    if device.type != "cuda":
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+
+
+# -- data ----------------------------------------------------------------------------------------------
+
+
+class Data:
+    """The dataset files and the deterministic bytes of every row, for checking what methods deliver."""
+
+    BLOCK_BYTES = 64 * MiB
+
+    def __init__(self, cfg: Config, root: Path) -> None:
+        self.cfg, self.root = cfg, root
+        self.npy, self.h5, self.h5gz = root / "x.npy", root / "data.h5", root / "gzip.h5"
+        self.block = max(1, self.BLOCK_BYTES // cfg.sample_bytes)
+        rng = np.random.default_rng(0)
+        self._base = rng.integers(0, 256, size=(self.block, *cfg.sample), dtype=np.uint8)
+        smooth = (np.arange(cfg.sample_bytes) // 64 % 256).astype(np.uint8).reshape(cfg.sample)
+        self._gz = smooth + rng.integers(0, 4, size=(self.block, *cfg.sample), dtype=np.uint8)
+        self.chunk_rows = max(1, MiB // cfg.sample_bytes)
+
+    def rows(self, kind: str, a: int, b: int) -> np.ndarray:
+        idx = np.arange(a, b)
+        base = self._gz if kind == "gzip" else self._base
+        tag = (idx // self.block % 251).astype(np.uint8).reshape(-1, *([1] * len(self.cfg.sample)))
+        return base[idx % self.block] ^ tag
+
+    def write(self) -> float:
+        import h5py
+
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        mm = np.lib.format.open_memmap(self.npy, mode="w+", dtype=np.uint8, shape=(cfg.rows, *cfg.sample))
+        with h5py.File(self.h5, "w") as f:
+            contiguous = f.create_dataset("contiguous", (cfg.rows, *cfg.sample), np.uint8)
+            chunked = f.create_dataset(
+                "chunked", (cfg.rows, *cfg.sample), np.uint8, chunks=(self.chunk_rows, *cfg.sample)
+            )
+            for a in range(0, cfg.rows, self.block):
+                b = min(cfg.rows, a + self.block)
+                block = self.rows("raw", a, b)
+                mm[a:b] = block
+                contiguous[a:b] = block
+                chunked[a:b] = block
+        mm.flush()
+        del mm
+        with h5py.File(self.h5gz, "w") as f:
+            gz = f.create_dataset(
+                "gzip",
+                (cfg.gzip_rows, *cfg.sample),
+                np.uint8,
+                chunks=(self.chunk_rows, *cfg.sample),
+                compression="gzip",
+                compression_opts=1,
+            )
+            for a in range(0, cfg.gzip_rows, self.block):
+                b = min(cfg.gzip_rows, a + self.block)
+                gz[a:b] = self.rows("gzip", a, b)
+        os.sync()
+        return time.perf_counter() - t0
+
+
+# -- page cache ----------------------------------------------------------------------------------------
+
+
+def drop_cache(paths: Iterable[Path], system: bool) -> str:
+    """Evict ``paths`` from the page cache; returns the way that worked (``system``: also drop_caches)."""
+    paths = list(paths)
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    if not system:
+        return "posix_fadvise"
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("1\n")
+        return "drop_caches+posix_fadvise"
+    except OSError:
+        return "posix_fadvise"
+
+
+def cached_fraction(paths: Iterable[Path]) -> float | None:
+    """Fraction of the files' pages in the page cache (kvikio's mincore helper), or None without kvikio."""
+    try:
+        import kvikio
+
+        pages = [kvikio.get_page_cache_info(str(p)) for p in paths]
+    except Exception:
+        return None
+    total = sum(t for _, t in pages)
+    return sum(c for c, _ in pages) / total if total else 0.0
+
+
+# -- methods -------------------------------------------------------------------------------------------
+
+BatchIter = Callable[[], Iterator[torch.Tensor]]
+
+
+def _pinned(cfg: Config, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.uint8, pin_memory=cfg.cuda)
+
+
+def _bounds(rows: int, b: int) -> list[tuple[int, int]]:
+    return [(a, min(rows, a + b)) for a in range(0, rows, b)]
+
+
+class Pread16:
+    """The ceiling: threaded ``preadv`` into two pinned buffers, each copied to the GPU on a side stream."""
+
+    def __init__(self, cfg: Config, path: Path, offset: int, rows: int) -> None:
+        self.cfg, self.path, self.offset, self.rows = cfg, path, offset, rows
+        self.pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="bench-pread")
+        self.bufs = [_pinned(cfg, (cfg.batch_rows * cfg.sample_bytes,)) for _ in range(2)]
+        self.stream = torch.cuda.Stream(cfg.device) if cfg.cuda else None
+
+    def _read(self, fd: int, buf: torch.Tensor, a: int, b: int) -> None:
+        rb = self.cfg.sample_bytes
+        mv = memoryview(buf.numpy())[: (b - a) * rb]
+        step = -(-len(mv) // self.cfg.threads)
+
+        def piece(o: int) -> None:
+            part, done = mv[o : o + step], 0
+            while done < len(part):
+                got = os.preadv(fd, [part[done:]], self.offset + a * rb + o + done)
+                if got <= 0:
+                    raise OSError(f"short read from {self.path}")
+                done += got
+
+        list(self.pool.map(piece, range(0, len(mv), step)))
+
+    def __call__(self) -> Iterator[torch.Tensor]:
+        cfg = self.cfg
+        fd = os.open(self.path, os.O_RDONLY)
+        events: list[Any] = [None, None]
+        try:
+            for i, (a, b) in enumerate(_bounds(self.rows, cfg.batch_rows)):
+                buf = self.bufs[i % 2]
+                if events[i % 2] is not None:
+                    events[i % 2].synchronize()
+                self._read(fd, buf, a, b)
+                host = buf[: (b - a) * cfg.sample_bytes].view(b - a, *cfg.sample)
+                if self.stream is None:
+                    yield host.clone()  # the buffer is reused; a CPU "device" batch must own its bytes
+                    continue
+                with torch.cuda.stream(self.stream):
+                    out = host.to(cfg.device, non_blocking=True)
+                    events[i % 2] = torch.cuda.Event()
+                    events[i % 2].record(self.stream)
+                torch.cuda.current_stream().wait_stream(self.stream)
+                out.record_stream(torch.cuda.current_stream())
+                yield out
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def memmap_to(cfg: Config, path: Path, rows: int) -> BatchIter:
+    def run() -> Iterator[torch.Tensor]:
+        mm = np.load(path, mmap_mode="r")
+        for a, b in _bounds(rows, cfg.batch_rows):
+            yield torch.from_numpy(np.ascontiguousarray(mm[a:b])).to(cfg.device)
+
+    return run
+
+
+def h5py_slice_to(cfg: Config, path: Path, name: str, rows: int) -> BatchIter:
+    import h5py
+
+    def run() -> Iterator[torch.Tensor]:
+        with h5py.File(path, "r") as f:
+            dset = f[name]
+            for a, b in _bounds(rows, cfg.batch_rows):
+                yield torch.from_numpy(dset[a:b]).to(cfg.device)
+
+    return run
+
+
+def h5py_read_direct_pinned(cfg: Config, path: Path, name: str, rows: int) -> BatchIter:
+    import h5py
+
+    bufs = [_pinned(cfg, (cfg.batch_rows, *cfg.sample)) for _ in range(2)]
+
+    def run() -> Iterator[torch.Tensor]:
+        events: list[Any] = [None, None]
+        with h5py.File(path, "r") as f:
+            dset = f[name]
+            for i, (a, b) in enumerate(_bounds(rows, cfg.batch_rows)):
+                buf = bufs[i % 2]
+                if events[i % 2] is not None:
+                    events[i % 2].synchronize()
+                dset.read_direct(buf.numpy(), np.s_[a:b], np.s_[0 : b - a])
+                out = buf[: b - a].to(cfg.device, non_blocking=True, copy=True)
+                if cfg.cuda:
+                    events[i % 2] = torch.cuda.Event()
+                    events[i % 2].record()
+                yield out
+
+    return run
+
+
+class Gpufeed:
+    """``CudaPrefetcher`` over a source, made once and iterated once per epoch."""
+
+    def __init__(self, cfg: Config, source: Any, shuffle: bool = False) -> None:
+        self.source = source
+        self.pf = CudaPrefetcher(
+            source, device=cfg.device, depth=3, batch_size=cfg.batch_rows, shuffle=shuffle
+        )
+        self.name = next(iter(source.fields))
+
+    def __call__(self) -> Iterator[torch.Tensor]:
+        for batch in self.pf:
+            yield batch[self.name]
+
+    def close(self) -> None:
+        self.pf.close()
+        self.source.close()
+
+
+# -- harness -------------------------------------------------------------------------------------------
+
+
+def sync(cfg: Config) -> None:
+    if cfg.cuda:
+        torch.cuda.synchronize(cfg.device)
+
+
+def epoch(
+    make: BatchIter, cfg: Config, step: Callable[[torch.Tensor], None] | None = None
+) -> tuple[float, int, list]:
+    """Wall seconds, bytes delivered and the first and last batch (device tensors) of one epoch."""
+    sync(cfg)
+    t0 = time.perf_counter()
+    nbytes, first, last = 0, None, None
+    for t in make():
+        if step is not None:
+            step(t)
+        nbytes += t.numel() * t.element_size()
+        first = t if first is None else first
+        last = t
+    sync(cfg)
+    return time.perf_counter() - t0, nbytes, [first, last]
+
+
+def verify(data: Data, kind: str, rows: int, batches: list, cfg: Config) -> bool:
+    bounds = _bounds(rows, cfg.batch_rows)
+    for (a, b), t in zip((bounds[0], bounds[-1]), batches, strict=True):
+        if t is None or not np.array_equal(t.cpu().numpy(), data.rows(kind, a, b)):
+            return False
+    return True
+
+
+def measure(
+    cfg: Config,
+    data: Data,
+    workload: str,
+    method: str,
+    make: BatchIter,
+    *,
+    kind: str,
+    rows: int,
+    cache: str,
+    files: list[Path],
+    check: bool = True,
+    step: Callable[[torch.Tensor], None] | None = None,
+) -> dict[str, Any]:
+    row: dict[str, Any] = {"workload": workload, "method": method, "cache": cache}
+    try:
+        _, _, ends = epoch(make, cfg, step)
+        row["verified"] = verify(data, kind, rows, ends, cfg) if check else None
+        del ends
+        times, nbytes = [], 0
+        for _ in range(cfg.reps):
+            if cache == "cold":
+                row["cold_method"] = drop_cache(files, system=not cfg.smoke)
+                row["cached_before"] = cached_fraction(files)
+            t, nbytes, _ = epoch(make, cfg, step)
+            times.append(t)
+        row["seconds"] = statistics.median(times)
+        row["GBps"] = nbytes / row["seconds"] / 1e9
+        row["bytes"] = nbytes
+    except Exception as exc:  # one broken method must not hide the others' figures
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    _print_row(row)
+    return row
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    if "GBps" in row:
+        gbps = f"{row['GBps']:7.2f} GB/s"
+    else:
+        gbps = f"skipped: {row['skipped']}" if "skipped" in row else f"ERROR {row.get('error')}"
+    print(f"  {row['workload']:<16} {row['cache']:<5} {row['method']:<26} {gbps}", flush=True)
+
+
+def _close(obj: Any) -> None:
+    close = getattr(obj, "close", None)
+    if close is not None:
+        close()
+
+
+def run(cfg: Config, data: Data) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    npy_offset = int(np.load(data.npy, mmap_mode="r").offset)
+    gds_source, gds_note = _gds(cfg, data)
+    makers = {"gpufeed_raw": lambda: RawSource(data.npy), "gpufeed_gds": gds_source}
+
+    def add(workload, method, make, *, kind="raw", n=cfg.rows, cache="warm", files=(data.npy,), **kw):
+        rows.append(
+            measure(
+                cfg, data, workload, method, make, kind=kind, rows=n, cache=cache, files=list(files), **kw
+            )
+        )
+
+    caches = ["warm", "cold"] if cfg.cold else ["warm"]
+    for cache in caches:
+        ceiling = Pread16(cfg, data.npy, npy_offset, cfg.rows)
+        add("raw", "pread16_ceiling", ceiling, cache=cache)
+        ceiling.close()
+        add("raw", "numpy_memmap_to", memmap_to(cfg, data.npy, cfg.rows), cache=cache)
+        for method, make in makers.items():
+            if make is None:
+                rows.append({"workload": "raw", "method": method, "cache": cache, "skipped": gds_note})
+                _print_row(rows[-1])
+                continue
+            g = Gpufeed(cfg, make())
+            add("raw", method, g, cache=cache)
+            g.close()
+        h5_files = (data.h5,)
+        g = Gpufeed(cfg, H5Source(data.h5, fields=["contiguous"]))
+        add("h5_contiguous", "gpufeed_h5", g, cache=cache, files=h5_files)
+        g.close()
+        if cache == "cold":
+            continue
+        add(
+            "h5_contiguous",
+            "h5py_slice_to",
+            h5py_slice_to(cfg, data.h5, "contiguous", cfg.rows),
+            files=h5_files,
+        )
+        add(
+            "h5_contiguous",
+            "h5py_read_direct_pinned",
+            h5py_read_direct_pinned(cfg, data.h5, "contiguous", cfg.rows),
+            files=h5_files,
+        )
+        for name, path, kind, n in (
+            ("chunked", data.h5, "raw", cfg.rows),
+            ("gzip", data.h5gz, "gzip", cfg.gzip_rows),
+        ):
+            w = f"h5_{name}"
+            add(w, "h5py_slice_to", h5py_slice_to(cfg, path, name, n), kind=kind, n=n, files=(path,))
+            add(w, "h5py_read_direct_pinned", h5py_read_direct_pinned(cfg, path, name, n), kind=kind, n=n)
+            g = Gpufeed(cfg, H5Source(path, fields=[name]))
+            add(w, "gpufeed_h5", g, kind=kind, n=n, files=(path,))
+            rows[-1]["h5_path"] = g.source.paths_taken[name]
+            g.close()
+        for method, make in makers.items():
+            if make is None:
+                continue
+            g = Gpufeed(cfg, make(), shuffle=True)
+            add("raw_shuffled", method, g, check=False)
+            g.close()
+    if cfg.cuda and not cfg.smoke:
+        rows += compute_rows(cfg, data, rows, makers)
+    _fill_fractions(rows)
+    return _doc(cfg, data, rows, gds_note)
+
+
+def _gds(cfg: Config, data: Data) -> tuple[Callable[[], GDSSource] | None, str]:
+    """A maker of the GDSSource, or None with the reason it cannot run here."""
+    if not cfg.cuda:
+        return None, "needs CUDA"
+    try:
+        probe = GDSSource(data.npy)
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    note = probe.describe()
+    probe.close()
+    return (lambda: GDSSource(data.npy)), note
+
+
+def compute_rows(cfg: Config, data: Data, rows: list[dict[str, Any]], makers: dict) -> list[dict[str, Any]]:
+    """gpufeed with a default-stream matmul loop per batch that takes ~1.2x the batch's copy time."""
+    ceiling = next(r for r in rows if r["method"] == "pread16_ceiling" and r["cache"] == "warm")
+    if "GBps" not in ceiling:
+        return []
+    copy_s = cfg.batch_rows * cfg.sample_bytes / (ceiling["GBps"] * 1e9)
+    a = torch.randn(2048, 2048, device=cfg.device, dtype=torch.bfloat16)
+    one = _time_matmuls(a, 4, cfg) / 4
+    reps = max(1, round(COMPUTE_OVER_COPY * copy_s / one))
+
+    def step(t: torch.Tensor) -> None:
+        x = a + t[:1].float().mean()  # the step reads the batch
+        for _ in range(reps):
+            x = x @ a
+
+    compute_s = _time_matmuls(a, reps, cfg)
+    out = []
+    for method, make in makers.items():
+        if make is None:
+            continue
+        g = Gpufeed(cfg, make())
+        row = measure(
+            cfg, data, "compute", method, g, kind="raw", rows=cfg.rows, cache="warm", files=[], step=step
+        )
+        g.close()
+        if "seconds" in row:
+            steps = len(_bounds(cfg.rows, cfg.batch_rows))
+            row["compute_s_per_step"] = compute_s
+            row["step_over_compute"] = row["seconds"] / steps / compute_s
+        out.append(row)
+    return out
+
+
+def _time_matmuls(a: torch.Tensor, reps: int, cfg: Config) -> float:
+    x = a
+    for _ in range(3):
+        x = x @ a
+    sync(cfg)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        x = a
+        for _ in range(reps):
+            x = x @ a
+    sync(cfg)
+    return (time.perf_counter() - t0) / 10
+
+
+def _fill_fractions(rows: list[dict[str, Any]]) -> None:
+    ceilings = {r["cache"]: r.get("GBps") for r in rows if r["method"] == "pread16_ceiling"}
+    for r in rows:
+        c = ceilings.get(r["cache"])
+        if "GBps" in r and c:
+            r["frac_of_ceiling"] = r["GBps"] / c
+
+
+def _doc(cfg: Config, data: Data, rows: list[dict[str, Any]], gds_note: str) -> dict[str, Any]:
+    import h5py
+
+    def gbps(workload: str, cache: str, method: str) -> float | None:
+        return next(
+            (
+                r.get("GBps")
+                for r in rows
+                if (r["workload"], r["cache"], r["method"]) == (workload, cache, method)
+            ),
+            None,
+        )
+
+    targets = []
+    for text, workload, cache, method, want in TARGETS:
+        base = "h5py_slice_to" if "5 x" in text else "pread16_ceiling"
+        got, ref = gbps(workload, cache, method), gbps(workload, cache, base)
+        value = got / ref if got and ref else None
+        targets.append({"target": text, "value": value, "met": value is not None and value >= want})
+    cold = [r for r in rows if r["cache"] == "cold" and "cold_method" in r]
+    return {
+        "card": card_name(cfg.device),
+        "device": str(cfg.device),
+        "torch": torch.__version__,
+        "gpufeed": gpufeed.__version__,
+        "h5py": h5py.__version__,
+        "python": platform.python_version(),
+        "smoke": cfg.smoke,
+        "sample_shape": list(cfg.sample),
+        "rows": rows,
+        "num_samples": cfg.rows,
+        "gzip_samples": cfg.gzip_rows,
+        "batch_rows": cfg.batch_rows,
+        "batch_bytes": cfg.batch_rows * cfg.sample_bytes,
+        "reps": cfg.reps,
+        "threads": cfg.threads,
+        "gds": gds_note,
+        "cold_method": cold[0]["cold_method"] if cold else None,
+        "cold_cached_fraction_max": max((r["cached_before"] or 0.0 for r in cold), default=None)
+        if cold and any(r.get("cached_before") is not None for r in cold)
+        else None,
+        "targets": targets,
+    }
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    lines = [
+        f"# gpufeed sources benchmark: {doc['card']}",
+        "",
+        f"torch {doc['torch']}, h5py {doc['h5py']}, {doc['num_samples']} samples of {doc['sample_shape']} "
+        f"uint8 ({doc['num_samples'] * int(np.prod(doc['sample_shape'])) / GiB:.2f} GiB), batches of "
+        f"{doc['batch_bytes'] / MiB:.1f} MiB, median of {doc['reps']} epochs. GDS: {doc['gds']}. "
+        f"Cold cache by {doc['cold_method']} (max fraction still cached: {doc['cold_cached_fraction_max']}).",
+        "",
+        "| workload | cache | method | GB/s | of ceiling | verified | notes |",
+        "| --- | --- | --- | ---: | ---: | --- | --- |",
+    ]
+    for r in doc["rows"]:
+        notes = r.get("error") or r.get("skipped") or ""
+        if "h5_path" in r:
+            notes = f"H5Source path: {r['h5_path']}"
+        if "step_over_compute" in r:
+            notes = f"step / compute = {r['step_over_compute']:.3f}"
+        gbps = f"{r['GBps']:.2f}" if "GBps" in r else "-"
+        frac = f"{r['frac_of_ceiling']:.2f}" if "frac_of_ceiling" in r else "-"
+        cells = [r["workload"], r["cache"], r["method"], gbps, frac, str(r.get("verified", "-")), notes]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| target | value | met |", "| --- | ---: | --- |"]
+    for t in doc["targets"]:
+        value = f"{t['value']:.2f}" if t["value"] is not None else "-"
+        lines.append(f"| {t['target']} | {value} | {'yes' if t['met'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    root = cfg.data_dir or Path(tempfile.mkdtemp(prefix="gpufeed-bench-sources-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(
+        f"gpufeed sources benchmark on {cfg.device} ({card_name(cfg.device)}), torch {torch.__version__}, "
+        f"{cfg.rows} x {cfg.sample} uint8, batches of {cfg.batch_rows} rows, data in {root}",
+        flush=True,
+    )
+    try:
+        data = Data(cfg, root)
+        print(f"wrote the data in {data.write():.1f} s", flush=True)
+        doc = run(cfg, data)
+    finally:
+        if not cfg.keep and cfg.data_dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    stem = cfg.out / f"sources-{doc['card']}"
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(markdown(doc))
+    print(f"\nwrote {stem}.json and {stem}.md\n\n{markdown(doc)}", end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
