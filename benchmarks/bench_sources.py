@@ -26,9 +26,9 @@ Methods:
 ``frac_of_ceiling`` divides by the ``pread16_ceiling`` of the same cache state. Cold rows drop the files from
 the page cache before each epoch (``posix_fadvise DONTNEED`` per file, and ``/proc/sys/vm/drop_caches``
 when writable, except in ``--smoke`` runs); the JSON says which worked and how much of the files stayed
-cached. The ``*_shuffled`` workload reads random batches (``shuffle=True``: sorted random rows, one ``pread`` per run).
-On CUDA, the ``compute`` workload adds a matmul loop on the default stream that takes about 1.2x the copy
-time of a batch and reports ``step_over_compute`` (1.0 = reading fully hidden behind compute).
+cached. The ``*_shuffled`` workload reads random batches (``shuffle=True``: sorted random rows, one
+``pread`` per run). On CUDA, the ``compute`` workload adds a matmul loop on the default stream that takes
+about 1.2x the copy time of a batch and reports ``step_over_compute`` (1.0 = reading hidden behind compute).
 """
 
 from __future__ import annotations
