@@ -56,10 +56,16 @@ class SourceContract:
     # ---- helpers -------------------------------------------------------------------------------------
 
     @staticmethod
-    def empty_out(source: BatchSource, n: int, fill: int = 0xA5) -> dict[str, torch.Tensor]:
-        """Output tensors for ``n`` rows, on the memory the source writes to, filled with a sentinel byte."""
+    def empty_out(
+        source: BatchSource, n: int, fill: int = 0xA5, pin: bool | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Output tensors for ``n`` rows, on the memory the source writes to, filled with a sentinel byte.
+
+        Host tensors are pinned when CUDA is available, unless ``pin=False`` (a forked child cannot use CUDA).
+        """
         device = "cuda" if source.reads_to == "device" else "cpu"
-        pin = device == "cpu" and torch.cuda.is_available()
+        if pin is None:
+            pin = device == "cpu" and torch.cuda.is_available()
         out = {}
         for name, f in source.fields.items():
             t = torch.empty((n, *f.shape), dtype=f.dtype, device=device, pin_memory=pin)
@@ -77,8 +83,8 @@ class SourceContract:
         idx = np.arange(rows.start, rows.stop, rows.step) if isinstance(rows, range) else np.asarray(rows)
         return np.ascontiguousarray(expected[name][idx]).reshape(-1).view(np.uint8)
 
-    def read(self, source: BatchSource, rows: Rows) -> dict[str, torch.Tensor]:
-        out = self.empty_out(source, len(rows))
+    def read(self, source: BatchSource, rows: Rows, pin: bool | None = None) -> dict[str, torch.Tensor]:
+        out = self.empty_out(source, len(rows), pin=pin)
         source.read(rows, out)
         if source.reads_to == "device":
             torch.cuda.synchronize()
@@ -252,7 +258,7 @@ class SourceContract:
             code = 1
             try:
                 os.close(r)
-                out = self.read(source, rows)
+                out = self.read(source, rows, pin=False)  # no CUDA after fork
                 digest = hashlib.sha256(b"".join(self.as_bytes(out[nm]).tobytes() for nm in source.fields))
                 os.write(w, digest.hexdigest().encode())
                 code = 0
