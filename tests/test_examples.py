@@ -1,0 +1,69 @@
+"""Every example runs end to end, small, on the CPU (``main(["--smoke"])``) and checks its own result."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"gpufeed_example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_example_is_tested():
+    assert sorted(p.stem for p in EXAMPLES.glob("*.py")) == [
+        "gds_raw", "hdf5_to_gpu", "lightning_datamodule", "quickstart"]
+
+
+def test_quickstart(capsys):
+    assert _load("quickstart").main(["--smoke"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == [line for line in out[:2] if line.startswith("epoch ")] and len(out) == 4
+    assert out[2].startswith(("[ok] 4 batches", "[INPUT-BOUND] 4 batches"))
+    assert out[3] == "trained on 1024 samples on cpu"
+
+
+def test_hdf5_to_gpu(capsys):
+    pytest.importorskip("h5py")
+    assert _load("hdf5_to_gpu").main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "field 'x' (8,) torch.float32, 1000 samples\n  train.h5: contiguous (read by byte offset" in out
+    assert "epoch 0: 1000 samples in " in out and "epoch 1: 1000 samples in " in out
+    assert " 16 batches, " in out  # 2 epochs x ceil(1000 / 128)
+
+
+def test_gds_raw_falls_back_to_rawsource_on_cpu(capsys):
+    pytest.importorskip("h5py")
+    assert _load("gds_raw").main(["--smoke"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("converted: ") and lines[0].endswith("s")
+    assert lines[1].startswith("cached: ")
+    assert lines[2] == "reading with RawSource (no CUDA device, so no GPUDirect Storage)"
+    assert " 10 batches, " in lines[3]
+    assert lines[4] == "read 1000 samples to cpu"
+
+
+def test_lightning_datamodule(capsys):
+    pytest.importorskip("lightning", reason="lightning is not installed (pip install lightning)")
+    assert _load("lightning_datamodule").main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "gpufeed: [" in out and " 4 batches, " in out  # one prefetcher, re-iterated for 2 epochs
+    assert out.rstrip().endswith("trained on 1024 samples on cpu")
+
+
+def test_lightning_example_without_lightning_says_so(capsys, monkeypatch):
+    module = _load("lightning_datamodule")
+    monkeypatch.setattr(module, "L", None)
+    assert module.main(["--smoke"]) == 0
+    assert capsys.readouterr().out == "this example needs PyTorch Lightning: pip install lightning\n"
