@@ -98,13 +98,18 @@ def test_duplicate_rows_are_read_twice(tmp_path):
     assert np.array_equal(out["x"].numpy(), x[[2, 2, 3, 3]])
 
 
-def test_adjacent_runs_across_files_merge_into_one_read(tmp_path):
-    # Two extents of the same file back to back are read with one preadv.
+def test_read_plan_one_read_per_run_and_file(tmp_path):
+    from gpufeed.sources._io import check_rows
+
     x = np.arange(10, dtype=np.int32)
     x.tofile(tmp_path / "x.bin")
-    src = RawSource(tmp_path / "x.bin", dtype=np.int32)
-    reads = src._layouts["x"].byte_reads([(0, 3), (3, 5), (7, 8)])
-    assert [(r.file_offset, r.nbytes, r.out_offset) for r in reads] == [(0, 20, 0), (28, 4, 20)]
+    one = RawSource(tmp_path / "x.bin", dtype=np.int32)._layouts["x"]
+    plan = one.byte_reads(check_rows(np.array([0, 1, 2, 3, 4, 7]), 10, "t"))
+    assert plan == ([0, 0], [0, 28], [20, 4], [0, 20])
+    # The same file twice: a run across the seam is split in two reads, one per extent.
+    two = RawSource([tmp_path / "x.bin", tmp_path / "x.bin"], dtype=np.int32)._layouts["x"]
+    assert two.byte_reads(check_rows(range(8, 12), 20, "t")) == ([0, 0], [32, 0], [8, 8], [0, 8])
+    assert two.byte_reads(check_rows(np.array([1, 12]), 20, "t")) == ([0, 0], [4, 8], [4, 4], [0, 4])
 
 
 def test_npy_dtype_and_shape_arguments_must_agree(tmp_path):

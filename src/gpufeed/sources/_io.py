@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._layout import Runs
 from .base import Field, Rows
-from .sampling import coalesce
+from .sampling import _runs
 
 PathLike = str | os.PathLike
 
@@ -62,22 +63,18 @@ def sample_shape(shape: Any, where: str) -> tuple[int, ...]:
     return dims
 
 
-def check_rows(rows: Rows, num_samples: int, where: str) -> tuple[list[tuple[int, int]], int]:
-    """Runs ``(start, stop)`` of ``rows`` in order, and the row count; IndexError for rows out of range."""
-    runs = coalesce(rows)
-    if not runs:
-        return runs, 0
-    if len(runs) == 1:
-        lo, hi = runs[0]
-    else:
-        lo = min(a for a, _ in runs)
-        hi = max(b for _, b in runs)
-    if lo < 0 or hi > num_samples:
-        bad = lo if lo < 0 else hi - 1
-        raise IndexError(
-            f"{where}: row {bad} is out of range for {num_samples} samples (valid: 0..{num_samples - 1})"
-        )
-    return runs, sum(b - a for a, b in runs)
+def check_rows(rows: Rows, num_samples: int, where: str) -> Runs:
+    """The runs of consecutive rows in ``rows``, in order; IndexError for rows out of range."""
+    starts, stops = _runs(rows)
+    runs = Runs(starts, stops)
+    if runs.n:
+        lo, hi = int(starts.min()), int(stops.max())
+        if lo < 0 or hi > num_samples:
+            bad = lo if lo < 0 else hi - 1
+            raise IndexError(
+                f"{where}: row {bad} is out of range for {num_samples} samples (valid: 0..{num_samples - 1})"
+            )
+    return runs
 
 
 def out_bytes(

@@ -6,7 +6,26 @@ import bisect
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from .base import Field
+
+
+class Runs:
+    """Runs of consecutive rows, in the order asked: rows ``starts[i] .. stops[i] - 1`` (int64 arrays)."""
+
+    __slots__ = ("n", "starts", "stops")
+
+    def __init__(self, starts: np.ndarray, stops: np.ndarray) -> None:
+        self.starts, self.stops = starts, stops
+        self.n = int((stops - starts).sum()) if starts.size else 0
+
+    def pairs(self) -> list[tuple[int, int]]:
+        return list(zip(self.starts.tolist(), self.stops.tolist(), strict=True))
+
+
+#: Reads as four parallel lists: file index, file offset, byte count, output offset.
+ReadLists = tuple[list[int], list[int], list[int], list[int]]
 
 
 class Extent(NamedTuple):
@@ -37,8 +56,8 @@ class Layout:
 
     Example:
         >>> lay = Layout(Field("x", (), torch.uint8), [Extent(0, 128, 10), Extent(1, 0, 5)])
-        >>> [tuple(r) for r in lay.byte_reads([(8, 12)])]   # (file, file offset, bytes, out offset)
-        [(0, 136, 2, 0), (1, 0, 2, 2)]
+        >>> lay.byte_reads(Runs(np.array([8]), np.array([12])))  # files, file offsets, bytes, out offsets
+        ([0, 1], [136, 0], [2, 2], [0, 2])
     """
 
     def __init__(self, field: Field, extents: Sequence[Extent]) -> None:
@@ -48,6 +67,11 @@ class Layout:
         self.starts = [0]
         for e in self.extents:
             self.starts.append(self.starts[-1] + e.rows)
+        # Arrays for the vectorized plan: extent boundaries, first rows, offsets and files.
+        self._bounds = np.array(self.starts[1:-1], dtype=np.int64)
+        self._first = np.array(self.starts[:-1], dtype=np.int64)
+        self._offsets = np.array([e.offset for e in self.extents], dtype=np.int64)
+        self._files = np.array([e.file for e in self.extents], dtype=np.int64)
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -70,8 +94,30 @@ class Layout:
                 out_row += end - a
                 a = end
 
-    def byte_reads(self, runs: Sequence[tuple[int, int]]) -> list[ByteRead]:
-        """The reads of ``runs`` (all extents by offset); reads adjacent in file and output are merged."""
+    def byte_reads(self, runs: Runs) -> ReadLists:
+        """The reads of ``runs`` (every extent by offset), planned with numpy: one read per run and extent.
+
+        A batch of random rows has thousands of runs; planning them in numpy keeps the Python work per
+        read (which holds the GIL that the reader threads share) to the ``preadv`` call itself.
+        """
+        starts, stops, rn = runs.starts, runs.stops, self.row_nbytes
+        if not starts.size:
+            return [], [], [], []
+        if len(self.extents) == 1:
+            e = self.extents[0]
+            fo = e.offset + starts * rn
+            files = [e.file] * len(starts)
+        else:
+            i0 = np.searchsorted(self._bounds, starts, side="right")
+            if (np.searchsorted(self._bounds, stops - 1, side="right") != i0).any():
+                return self._split_reads(runs.pairs())  # a run crosses extents: rare, plan in Python
+            fo = self._offsets[i0] + (starts - self._first[i0]) * rn
+            files = self._files[i0].tolist()
+        nb = (stops - starts) * rn
+        return files, fo.tolist(), nb.tolist(), (np.cumsum(nb) - nb).tolist()
+
+    def _split_reads(self, runs: Sequence[tuple[int, int]]) -> ReadLists:
+        """``byte_reads`` for runs that cross extents, with reads adjacent in file and output merged."""
         rn = self.row_nbytes
         reads: list[ByteRead] = []
         for ext, r, k, o in self.split(runs):
@@ -86,7 +132,8 @@ class Layout:
                     reads[-1] = ByteRead(last.file, last.file_offset, last.nbytes + nb, last.out_offset)
                     continue
             reads.append(ByteRead(ext.file, fo, nb, oo))
-        return reads
+        files, fos, nbs, oos = (list(col) for col in zip(*reads, strict=True))
+        return files, fos, nbs, oos
 
 
 def merge_extents(extents: Sequence[Extent], row_nbytes: int) -> list[Extent]:

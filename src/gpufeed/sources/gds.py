@@ -162,20 +162,19 @@ class GDSSource:
             ValueError: an ``out`` tensor is missing, too small, of the wrong dtype/shape or device.
             OSError: a read came back short (file truncated) or kvikio failed.
         """
-        runs, n = check_rows(rows, self._len, self._where)
+        runs = check_rows(rows, self._len, self._where)
         device_type = "cuda" if self._mode == "gds" else "cpu"
-        bufs = check_outs(self._fields, out, n, device_type, self._where)
-        if n == 0:
+        bufs = check_outs(self._fields, out, runs.n, device_type, self._where)
+        if runs.n == 0:
             return
         pending: list[tuple[Any, int, int, int]] = []
         error: BaseException | None = None
         try:
             for name, layout in self._layouts.items():
                 buf: Any = bufs[name] if device_type == "cuda" else bufs[name].numpy()
-                for r in layout.byte_reads(runs):
-                    dest = buf[r.out_offset : r.out_offset + r.nbytes]
-                    fut = self._files.get(r.file).pread(dest, r.nbytes, r.file_offset, self._task_size)
-                    pending.append((fut, r.file, r.file_offset, r.nbytes))
+                for f, fo, nb, oo in zip(*layout.byte_reads(runs), strict=True):
+                    fut = self._files.get(f).pread(buf[oo : oo + nb], nb, fo, self._task_size)
+                    pending.append((fut, f, fo, nb))
         except BaseException as exc:
             error = exc
         # Wait on every future even after an error: none may write into out after read returns.

@@ -26,7 +26,7 @@ from ._io import (
     pread_exact,
     torch_dtype,
 )
-from ._layout import Extent, Layout, merge_extents
+from ._layout import Extent, Layout, Runs, merge_extents
 from .base import Field, Rows
 
 # h5py serializes every call behind its own global lock anyway; ours keeps a read_direct and its
@@ -165,7 +165,8 @@ class H5Source:
             ValueError: an ``out`` tensor is missing, too small, of the wrong dtype/shape or not on the host.
             OSError: a file ended early (changed after the source was opened).
         """
-        runs, n = check_rows(rows, self._len, self._where)
+        runs = check_rows(rows, self._len, self._where)
+        n = runs.n
         bufs = check_outs(self._fields, out, n, "cpu", self._where)
         if n == 0:
             return
@@ -173,12 +174,12 @@ class H5Source:
             if layout.by_offset:
                 self._read_offsets(layout, runs, memoryview(bufs[name].numpy()))
             else:
-                self._read_mixed(layout, runs, out[name][:n], memoryview(bufs[name].numpy()))
+                self._read_mixed(layout, runs.pairs(), out[name][:n], memoryview(bufs[name].numpy()))
 
-    def _read_offsets(self, layout: Layout, runs: list[tuple[int, int]], mv: memoryview) -> None:
-        for r in layout.byte_reads(runs):
-            dest = mv[r.out_offset : r.out_offset + r.nbytes]
-            pread_exact(self._fds.get(r.file), dest, r.file_offset, self._paths[r.file])
+    def _read_offsets(self, layout: Layout, runs: Runs, mv: memoryview) -> None:
+        fds, paths = self._fds, self._paths
+        for f, fo, nb, oo in zip(*layout.byte_reads(runs), strict=True):
+            pread_exact(fds.get(f), mv[oo : oo + nb], fo, paths[f])
 
     def _read_mixed(
         self, layout: Layout, runs: list[tuple[int, int]], t: torch.Tensor, mv: memoryview

@@ -155,15 +155,15 @@ class RawSource:
             ValueError: an ``out`` tensor is missing, too small, of the wrong dtype/shape or not on the host.
             OSError: a file ended early (truncated after the source was opened).
         """
-        runs, n = check_rows(rows, self._len, self._where)
-        bufs = check_outs(self._fields, out, n, "cpu", self._where)
-        if n == 0:
+        runs = check_rows(rows, self._len, self._where)
+        bufs = check_outs(self._fields, out, runs.n, "cpu", self._where)
+        if runs.n == 0:
             return
+        fds, paths = self._fds, self._paths
         for name, layout in self._layouts.items():
             mv = memoryview(bufs[name].numpy())
-            for r in layout.byte_reads(runs):
-                dest = mv[r.out_offset : r.out_offset + r.nbytes]
-                pread_exact(self._fds.get(r.file), dest, r.file_offset, self._paths[r.file])
+            for f, fo, nb, oo in zip(*layout.byte_reads(runs), strict=True):
+                pread_exact(fds.get(f), mv[oo : oo + nb], fo, paths[f])
 
     def close(self) -> None:
         """Close this process's file descriptors (a later ``read`` reopens them). Idempotent."""

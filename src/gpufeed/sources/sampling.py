@@ -106,9 +106,16 @@ def coalesce(rows: Rows) -> list[tuple[int, int]]:
         >>> coalesce(range(5, 8))
         [(5, 8)]
     """
+    starts, stops = _runs(rows)
+    return list(zip(starts.tolist(), stops.tolist(), strict=True))
+
+
+def _runs(rows: Rows) -> tuple[np.ndarray, np.ndarray]:
+    """``coalesce`` as two int64 arrays, ``starts`` and ``stops``, for vectorized planning."""
     if isinstance(rows, range):
         if rows.step == 1:
-            return [(rows.start, rows.stop)] if rows.stop > rows.start else []
+            n = 1 if rows.stop > rows.start else 0
+            return np.full(n, rows.start, dtype=np.int64), np.full(n, rows.stop, dtype=np.int64)
         rows = np.arange(rows.start, rows.stop, rows.step, dtype=np.int64)
     a = np.asarray(rows)
     if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
@@ -116,13 +123,13 @@ def coalesce(rows: Rows) -> list[tuple[int, int]]:
             f"rows must be a range or a 1-D integer array, got shape {a.shape} dtype {a.dtype}; "
             "pass e.g. np.array([0, 5, 6], dtype=np.int64)"
         )
-    if a.size == 0:
-        return []
     a = a.astype(np.int64, copy=False)
+    if a.size == 0:
+        return a, a
     breaks = np.flatnonzero(np.diff(a) != 1) + 1
     starts = a[np.concatenate(([0], breaks))]
     stops = a[np.concatenate((breaks - 1, [a.size - 1]))] + 1
-    return list(zip(starts.tolist(), stops.tolist(), strict=True))
+    return starts, stops
 
 
 def _check_args(n, b, shuffle, drop_last, seed, epoch, rank, world_size, pad) -> None:
