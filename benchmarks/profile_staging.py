@@ -51,6 +51,20 @@ def torch_copy(piece: int, total: int = 512 * MiB) -> float:
     return 3 * total / (time.perf_counter() - t0) / 1e9
 
 
+def torch_copy_during_dma(piece: int = 32 * MiB, total: int = 512 * MiB) -> float:
+    """The same pageable -> pinned copy while the copy engine streams other pinned memory to the GPU:
+    both compete for host memory bandwidth, as in gpufeed's pipeline."""
+    big = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for _ in range(12):  # about 0.25 s of DMA
+            dev.copy_(big, non_blocking=True)
+    rate = torch_copy(piece, total)
+    s.synchronize()
+    return rate
+
+
 def memcpy(threads: int, total: int = 512 * MiB, piece: int = 4 * MiB) -> float:
     src = torch.randint(0, 255, (total,), dtype=torch.uint8)
     dst = torch.empty(total, dtype=torch.uint8, pin_memory=True)
@@ -95,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     res["torch_copy"] = {f"{p // MiB}MiB": round(torch_copy(p), 1) for p in (4 * MiB, 16 * MiB, 64 * MiB)}
     print(f"pageable->pinned torch copy_ GB/s by piece ({torch.get_num_threads()} intra-op threads):",
           res["torch_copy"], flush=True)
+    res["torch_copy_during_dma"] = round(torch_copy_during_dma(), 1)
+    print("torch copy_ GB/s while DMA runs:", res["torch_copy_during_dma"], flush=True)
     res["gpufeed"] = []
     for chunk in (4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB, 64 * MiB):
         for threads in (16,):

@@ -34,18 +34,23 @@ class Delivered:
     fresh: list[torch.Tensor] = field(default_factory=list)  # device tensors this prefetcher allocated
     state: Any = None
     index: int = 0
+    event_device: torch.device | None = None
 
     def handover(self, expected: torch.cuda.Stream | None) -> Any:
         """Make the consumer's current stream wait on this batch's event only, then return the batch."""
         if self.event is not None:
-            stream = torch.cuda.current_stream(self.event_device)
-            stream.wait_event(self.event)
-            if stream != expected:  # consumer switched streams since the epoch started: fence it too
+            index = self.event_device.index
+            if _raw_stream(index) == expected.cuda_stream:  # the usual case: no Stream object built
+                self.event.wait(expected)
+            else:  # consumer switched streams since the epoch started: wait and fence there too
+                stream = torch.cuda.current_stream(index)
+                self.event.wait(stream)
                 for t in self.fresh:
                     t.record_stream(stream)
         return self.batch
 
-    event_device: torch.device | None = None
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 class Copier:
