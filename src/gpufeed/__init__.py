@@ -6,15 +6,22 @@ Example:
     ...     pass
 """
 
+from gpufeed._static import StaticBatch
+from gpufeed.convert import convert_h5_to_raw
 from gpufeed.prefetcher import CudaPrefetcher
-from gpufeed.sources.base import BatchSource, Field
+from gpufeed.sources import BatchSource, Field, GDSSource, H5Source, RawSource
 from gpufeed.stats import PrefetchStats
 
 __all__ = [
     "BatchSource",
     "CudaPrefetcher",
     "Field",
+    "GDSSource",
+    "H5Source",
     "PrefetchStats",
+    "RawSource",
+    "StaticBatch",
+    "convert_h5_to_raw",
 ]
 
 __version__ = "0.1.0"

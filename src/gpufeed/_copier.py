@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from gpufeed import _nvtx
+from gpufeed._tracing import TraceRecorder
 from gpufeed._tree import flatten
 from gpufeed.staging import Chunk, ChunkPipeline, PinnedPool, plan_leaf_chunks, warn_pageable
 from gpufeed.stats import PrefetchStats
@@ -61,13 +62,15 @@ class Copier:
     """
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream | None, pipeline: ChunkPipeline,
-                 pool: PinnedPool, stats: PrefetchStats, transform: Callable[[Any], Any] | None) -> None:
+                 pool: PinnedPool, stats: PrefetchStats, transform: Callable[[Any], Any] | None,
+                 trace: TraceRecorder | None = None) -> None:
         self.device = device
         self.stream = stream
         self.pipeline = pipeline
         self.pool = pool
         self.stats = stats
         self.transform = transform
+        self.trace = trace
         self._timings: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event]] = collections.deque()
         self._retire: collections.deque[tuple[torch.cuda.Event, list[torch.Tensor]]] = collections.deque()
         self._warned = False
@@ -77,6 +80,7 @@ class Copier:
         state = None
         if isinstance(raw, WithState):
             raw, state = raw.batch, raw.state
+        t0 = time.perf_counter()
         read = getattr(raw, "gpufeed_read", None)
         if read is not None:  # a source-mode batch: the source reads into our buffers
             out = read(self, stop)
@@ -84,6 +88,9 @@ class Copier:
             out = self._to_cpu(raw)
         else:
             out = self._to_cuda(raw, stop)
+        if self.trace is not None:
+            name = "read+copy" if read is not None else "stage+copy"
+            self.trace.add(name, int(t0 * 1e9), int(time.perf_counter() * 1e9), "gpufeed-fetch", batch=index)
         out.state, out.index = state, index
         if self.stream is not None:
             out.event_device = self.device

@@ -17,6 +17,8 @@ import torch
 
 from gpufeed import _nvtx, _worker
 from gpufeed._copier import Copier, Delivered
+from gpufeed._static import StaticBuffers
+from gpufeed._tracing import TraceRecorder
 from gpufeed.staging import DEFAULT_CHUNK_BYTES, DEFAULT_PINNED_BUDGET, ChunkPipeline, PinnedPool
 from gpufeed.stats import PrefetchStats
 
@@ -57,7 +59,10 @@ class CudaPrefetcher:
             :func:`gpufeed.sources.plan_batches`).
         num_threads: worker threads that fill pinned buffers (memcpy or source reads).
         pinned_budget: bytes of pinned memory the pool may hold (0 disables pinned staging).
-        chunk_bytes: size of one staging chunk.
+        chunk_bytes: size of one staging chunk (pinned buffer and H2D copy).
+        static: deliver every batch into the same device tensors, for a captured CUDA graph; each item
+            is then a :class:`~gpufeed.StaticBatch` ``(batch, valid)``, a short last batch zero-padded.
+        trace: record every batch's stages for :meth:`export_trace` (default: env ``GPUFEED_TRACE=1``).
 
     Example:
         >>> loader = [{"x": torch.arange(4)}, {"x": torch.arange(4, 8)}]
@@ -83,6 +88,8 @@ class CudaPrefetcher:
         num_threads: int | None = None,
         pinned_budget: int | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        static: bool = False,
+        trace: bool | None = None,
     ) -> None:
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth must be an int >= 1 (batches prefetched ahead), got {depth!r}")
@@ -110,6 +117,10 @@ class CudaPrefetcher:
         budget = DEFAULT_PINNED_BUDGET if pinned_budget is None else int(pinned_budget)
         self._pool = PinnedPool(budget, chunk_bytes, pin=self._cuda)
         self._executor: ThreadPoolExecutor | None = None
+        self._static = StaticBuffers() if static else None
+        if trace is None:
+            trace = os.environ.get("GPUFEED_TRACE", "0") not in ("", "0", "false", "no")
+        self._trace = TraceRecorder() if trace else None
         _LIVE.add(self)
 
     # -- drop-in surface ---------------------------------------------------------------------------
@@ -153,6 +164,16 @@ class CudaPrefetcher:
             it = _EpochIterator(self, self._mode.batches(self.epoch, start))
             self._current = weakref.ref(it)
         return it
+
+    def export_trace(self, path: str | os.PathLike[str]) -> str:
+        """Write a Chrome/Perfetto trace of every batch's stages and the consumer's waits.
+
+        Open it in https://ui.perfetto.dev or chrome://tracing: one row for the fetch thread (fetch,
+        stage, copy issue), one for the consumer (wait). Needs ``trace=True`` (or ``GPUFEED_TRACE=1``).
+        """
+        if self._trace is None:
+            raise RuntimeError("tracing is off: create the prefetcher with trace=True (or set GPUFEED_TRACE=1)")
+        return self._trace.write(path)
 
     # -- resumption --------------------------------------------------------------------------------
 
@@ -212,7 +233,8 @@ class CudaPrefetcher:
         return ChunkPipeline(self._pool, self._executor, self._stream, max_in_flight=2 * self.num_threads)
 
     def _copier(self) -> Copier:
-        return Copier(self.device, self._stream, self._pipeline(), self._pool, self.stats, self.transform)
+        return Copier(self.device, self._stream, self._pipeline(), self._pool, self.stats, self.transform,
+                      self._trace)
 
 
 class _EpochIterator:
@@ -256,10 +278,13 @@ class _EpochIterator:
         stats.wait_s += now - t0
         stats.wall_s += now - (self._last_t if self._last_t is not None else t0)
         self._last_t = now
+        if self._pf._trace is not None:
+            self._pf._trace.add("wait", int(t0 * 1e9), int(now * 1e9), "consumer", batch=stats.batches)
         if isinstance(item, Delivered):
             stats.batches += 1
             self._pf._state = item.state
-            return item.handover(self._consumer_stream)
+            batch = item.handover(self._consumer_stream)
+            return batch if self._pf._static is None else self._pf._static.fill(batch)
         self._finish()
         if isinstance(item, _worker.Failure):
             item.reraise()
@@ -301,7 +326,10 @@ def _produce(batches: Iterable[Any], copier: Copier, q: queue.SimpleQueue, slots
             t0 = time.perf_counter()
             with _nvtx.range("gpufeed.fetch"):
                 raw = next(it, _worker.END)
-            copier.stats.add(fetch_s=time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            copier.stats.add(fetch_s=t1 - t0)
+            if copier.trace is not None:
+                copier.trace.add("fetch", int(t0 * 1e9), int(t1 * 1e9), "gpufeed-fetch", batch=index)
             if raw is _worker.END:
                 break
             q.put(copier.deliver(raw, index, stop, consumer_stream))
