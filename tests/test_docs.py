@@ -1,0 +1,79 @@
+"""The documentation builds with ``mkdocs build --strict``, and its generated parts say the right thing."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+
+def _hooks():
+    spec = importlib.util.spec_from_file_location("gpufeed_docs_hooks", DOCS / "hooks" / "gpufeed_docs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _needs(*modules: str) -> None:
+    for m in modules:
+        if importlib.util.find_spec(m) is None:
+            pytest.skip(f"{m} is not installed (pip install -e '.[dev]')")
+
+
+def test_mkdocs_build_strict(tmp_path):
+    _needs("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
+         "-d", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    pages = {p.parent.name for p in tmp_path.glob("*/index.html")}
+    assert {"how-it-works", "sources", "cli", "tuning", "troubleshooting", "benchmarks", "reliability",
+            "api"} <= pages
+    assert not (tmp_path / "hooks").exists()  # the build hooks are not published
+    api = (tmp_path / "api" / "index.html").read_text()
+    for name in ("gpufeed.CudaPrefetcher", "gpufeed.PrefetchStats", "gpufeed.sources.H5Source"):
+        assert f'id="{name}"' in api, name
+
+
+def test_every_page_is_in_the_nav():
+    yaml = pytest.importorskip("yaml")
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    in_nav = {next(iter(item.values())) for item in config["nav"]}
+    pages = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
+    assert pages == in_nav
+
+
+def test_api_page_lists_only_importable_names(monkeypatch):
+    hooks = _hooks()
+    monkeypatch.setattr(hooks, "API", [("Prefetcher", ["gpufeed.CudaPrefetcher", "gpufeed.nope.Missing"]),
+                                       ("Gone", ["gpufeed.NotThere"])])
+    md = hooks.api_markdown()
+    assert "## Prefetcher\n" in md and "::: gpufeed.CudaPrefetcher\n" in md
+    assert "## Gone" not in md and "::: gpufeed.NotThere" not in md
+    assert md.rstrip().endswith(
+        "Not importable in the checkout that built these docs: `gpufeed.nope.Missing`, `gpufeed.NotThere`.")
+
+
+def test_benchmark_results_are_included_with_headings_nested_and_links_defused(tmp_path, monkeypatch):
+    hooks = _hooks()
+    monkeypatch.setattr(hooks, "RESULTS", tmp_path)
+    assert hooks.results_markdown().startswith("*No results are committed yet.*")
+    (tmp_path / "prefetcher-h100.md").write_text(
+        "# Prefetcher on H100\n\n## unpinned\n\n| method | GB/s |\n| --- | --- |\n| gpufeed | 50.1 |\n\n"
+        "```text\n# not a heading\n```\nraw: [json](prefetcher-h100.json), [site](https://example.org)\n")
+    md = hooks.results_markdown()
+    assert md.splitlines()[:5] == [
+        "### `benchmarks/results/prefetcher-h100.md`", "", "#### Prefetcher on H100", "", "##### unpinned"]
+    assert "| gpufeed | 50.1 |" in md and "# not a heading" in md
+    assert "raw: json (`benchmarks/results/prefetcher-h100.json`), [site](https://example.org)" in md
