@@ -8,6 +8,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -23,7 +24,15 @@ def _load(name: str) -> ModuleType:
 
 def test_every_example_is_tested():
     assert sorted(p.stem for p in EXAMPLES.glob("*.py")) == [
-        "gds_raw", "hdf5_to_gpu", "lightning_datamodule", "quickstart"]
+        "cuda_graphs", "gds_raw", "hdf5_to_gpu", "lightning_datamodule", "quickstart"]
+
+
+def test_cuda_graphs_without_cuda_says_so(capsys):
+    # The replay check itself runs on the GPU machine: tests/test_trace_and_static.py (cuda marker).
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the cuda-marked test runs the example in full")
+    assert _load("cuda_graphs").main([]) == {"replays": 0, "mismatches": 0}
+    assert "needs a CUDA GPU" in capsys.readouterr().out
 
 
 def test_quickstart(capsys):
