@@ -77,3 +77,30 @@ def test_benchmark_results_are_included_with_headings_nested_and_links_defused(t
         "### `benchmarks/results/prefetcher-h100.md`", "", "#### Prefetcher on H100", "", "##### unpinned"]
     assert "| gpufeed | 50.1 |" in md and "# not a heading" in md
     assert "raw: json (`benchmarks/results/prefetcher-h100.json`), [site](https://example.org)" in md
+
+
+def _tuning_defaults() -> dict[str, str]:
+    """``{knob: default}`` from the table of docs/tuning.md (first two cells, backticks stripped)."""
+    rows = {}
+    for line in (DOCS / "tuning.md").read_text().splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) >= 2:
+            rows[cells[0]] = cells[1]
+    return rows
+
+
+def test_tuning_page_states_the_code_defaults():
+    import inspect
+
+    from gpufeed import CudaPrefetcher
+    from gpufeed.staging import DEFAULT_CHUNK_BYTES, DEFAULT_PINNED_BUDGET
+
+    rows = _tuning_defaults()
+    sig = inspect.signature(CudaPrefetcher)
+    assert rows["depth"] == str(sig.parameters["depth"].default)
+    assert rows["chunk_bytes"] == f"{DEFAULT_CHUNK_BYTES >> 20} MiB"
+    assert rows["pinned_budget"] == f"{DEFAULT_PINNED_BUDGET >> 20} MiB"
+    assert rows["static"] == str(sig.parameters["static"].default)
+    assert sig.parameters["trace"].default is None  # None: off unless GPUFEED_TRACE=1
+    assert rows["trace"] == "False` (or `GPUFEED_TRACE=1)"
+    assert rows["num_threads"] == "min(16, os.cpu_count())"
