@@ -570,3 +570,17 @@ def test_convert_without_the_convert_module(mixed_h5, tmp_path, capsys, monkeypa
     err = capsys.readouterr().err.strip()
     assert err.startswith(
         "gpufeed convert: error: gpufeed.convert.convert_h5_to_raw is not available in this install (")
+
+
+def test_bench_trace_writes_a_perfetto_trace_per_gpufeed_method(tmp_path, capsys):
+    rc = main(["bench", "--size", "1MiB", "--device", "cpu", "--out", str(tmp_path), "--no-chart", "--trace",
+               "--methods", "naive,gpufeed_h5", "--batch-size", "64"])
+    assert rc == 0
+    trace = tmp_path / "trace-gpufeed_h5.json"
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {tmp_path / 'bench.json'}, {trace}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "trace-gpufeed_h5.json"]
+    doc = json.loads(trace.read_text())
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    batches = -(-((1 << 20) // ROW) // 64)
+    assert len([e for e in spans if e["name"] == "wait"]) == batches + 1  # + the end of the epoch
+    assert json.loads((tmp_path / "bench.json").read_text())["methods"][1]["extra"]["trace"] == str(trace)

@@ -67,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default=None,
                    help="where to write the temporary HDF5 file (default: the system temp folder)")
     p.add_argument("--keep-data", action="store_true", help="keep the HDF5 file (its path is printed)")
+    p.add_argument("--trace", action="store_true",
+                   help="write a Chrome/Perfetto trace per gpufeed method into --out (trace-<method>.json)")
 
 
 @dataclass
@@ -80,6 +82,7 @@ class Config:
     methods: tuple[str, ...]
     path: str = ""
     row_bytes: int = FEATURES * 4 + 8
+    trace_dir: Path | None = None  # write trace-<method>.json here (gpufeed methods)
 
     @property
     def batches(self) -> int:
@@ -129,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     progress: TextIO = sys.stderr if args.json else sys.stdout
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    cfg.trace_dir = out if args.trace else None
     data_dir = tempfile.mkdtemp(prefix="gpufeed-bench-", dir=args.data_dir)
     try:
         _header(cfg, progress)
@@ -155,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
     say("", progress)
     say(render_table(doc), progress)
     say(_verdict(doc), progress)
+    written += [m["extra"]["trace"] for m in doc["methods"] if "trace" in m.get("extra", {})]
     say(f"wrote {', '.join(written)}", progress)
     if args.json:
         print(json.dumps(doc, indent=2), flush=True)
@@ -350,21 +355,26 @@ def _dataloader(cfg: Config) -> tuple[_Meter, str, dict[str, Any]]:
     return meter, f"DataLoader ({cfg.workers} workers{pin}) + .to()", {}
 
 
-def _prefetched(cfg: Config, source: Any, **kw: Any) -> tuple[_Meter, dict[str, Any]]:
+def _prefetched(cfg: Config, key: str, source: Any, **kw: Any) -> tuple[_Meter, dict[str, Any]]:
     from gpufeed import CudaPrefetcher
 
     meter = _Meter(cfg.device)
+    extra: dict[str, Any] = {}
+    if cfg.trace_dir is not None:
+        kw["trace"] = True
     with CudaPrefetcher(source, device=cfg.device, depth=cfg.depth, **kw) as pf:
         for batch in pf:
             meter.touch(batch)
         meter.finish()
         meter.stall_fraction = pf.stats.stall_fraction
-        stats = pf.stats.as_dict()
-    return meter, {"stats": stats}
+        extra["stats"] = pf.stats.as_dict()
+        if cfg.trace_dir is not None:
+            extra["trace"] = str(pf.export_trace(cfg.trace_dir / f"trace-{key}.json"))
+    return meter, extra
 
 
 def _gpufeed_loader(cfg: Config) -> tuple[_Meter, str, dict[str, Any]]:
-    meter, extra = _prefetched(cfg, make_loader(cfg))
+    meter, extra = _prefetched(cfg, "gpufeed_loader", make_loader(cfg))
     return meter, f"gpufeed(DataLoader, {cfg.workers} workers)", extra
 
 
@@ -372,7 +382,7 @@ def _gpufeed_h5(cfg: Config) -> tuple[_Meter, str, dict[str, Any]]:
     H5Source = _import_source("H5Source")
     with H5Source(cfg.path, fields=["x", "y"]) as src:
         paths = dict(src.paths_taken)
-        meter, extra = _prefetched(cfg, src, batch_size=cfg.batch_size)
+        meter, extra = _prefetched(cfg, "gpufeed_h5", src, batch_size=cfg.batch_size)
     extra["paths_taken"] = paths
     return meter, "", extra
 
@@ -387,7 +397,7 @@ def _gpufeed_gds(cfg: Config) -> tuple[_Meter, str, dict[str, Any]]:
     GDSSource = _import_source("GDSSource")
     src = GDSSource(cfg.path, fields=["x", "y"])
     try:
-        meter, extra = _prefetched(cfg, src, batch_size=cfg.batch_size)
+        meter, extra = _prefetched(cfg, "gpufeed_gds", src, batch_size=cfg.batch_size)
     finally:
         src.close()
     extra["mode"] = src.mode
