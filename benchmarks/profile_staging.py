@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     res["torch_copy_during_dma"] = round(torch_copy_during_dma(), 1)
     print("torch copy_ GB/s while DMA runs:", res["torch_copy_during_dma"], flush=True)
     res["gpufeed"] = []
-    for chunk in (4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB, 64 * MiB):
+    for chunk in (2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB):
         for threads in (16,):
             r = gpufeed_rate(chunk, threads)
             res["gpufeed"].append(r)

@@ -73,6 +73,7 @@ def test_consumer_on_a_side_stream_is_fenced():
         for b in pf:
             torch.cuda._sleep(SLEEP_CYCLES)
             got.append(digest(b["x"]))
+    side.synchronize()  # the digests were computed on the side stream
     assert [g.item() for g in got] == expected
 
 

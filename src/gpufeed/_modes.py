@@ -210,7 +210,8 @@ class SourceBatch:
                     copier.stream.synchronize()  # fence: no queued copy-stream work still touches these blocks
                 self._read_direct(copier, out, stop)
             else:
-                copier.pipeline.run(self._chunks(out, copier.pool.chunk_bytes, copier.pool.fill_bytes), stop)
+                copier.pipeline.run(self._chunks(out, copier.pool.chunk_bytes, copier.pool.fill_bytes,
+                                                 copier.pipeline.threads), stop)
             batch: Any = out
             if copier.transform is not None:
                 batch = copier.transform(batch)
@@ -225,13 +226,15 @@ class SourceBatch:
 
     def _read_direct(self, copier: Copier, out: dict[str, torch.Tensor], stop: threading.Event) -> None:
         row_bytes = sum(t[0].numel() * t.element_size() for t in out.values()) if len(self.rows) else 1
-        pieces = self._row_pieces(row_bytes, copier.pool.fill_bytes)
+        threads = copier.pipeline.threads
+        per = max(1, min(copier.pool.fill_bytes // max(1, row_bytes), -(-len(self.rows) // threads)))
+        pieces = [(a, a + k) for a, k in split(len(self.rows), per)]
         futs = [copier.pipeline.executor.submit(self.source.read, self.rows[a:b],
                                                 {k: t[a:b] for k, t in out.items()}) for a, b in pieces]
         for f in futs:
             f.result()
 
-    def _chunks(self, out: dict[str, torch.Tensor], chunk_bytes: int, fill_bytes: int) -> list[Chunk]:
+    def _chunks(self, out: dict[str, torch.Tensor], chunk_bytes: int, fill_bytes: int, threads: int) -> list[Chunk]:
         fields = self.source.fields
         row_bytes = sum(f.sample_nbytes for f in fields.values())
         chunks = []
@@ -241,12 +244,13 @@ class SourceBatch:
                 m = (r1 - r0) * f.sample_nbytes
                 copies.append((byte_view(out[k])[r0 * f.sample_nbytes : r1 * f.sample_nbytes], off, m))
                 off += m
-            fills = [self._fill(r0, r1, a, b) for a, b in self._sub(r0, r1, row_bytes, fill_bytes)]
+            fills = [self._fill(r0, r1, a, b) for a, b in self._sub(r0, r1, row_bytes, fill_bytes, threads)]
             chunks.append(Chunk((r1 - r0) * row_bytes, fills, copies))
         return chunks
 
-    def _sub(self, r0: int, r1: int, row_bytes: int, fill_bytes: int) -> list[tuple[int, int]]:
-        per = max(1, fill_bytes // max(1, row_bytes))
+    def _sub(self, r0: int, r1: int, row_bytes: int, fill_bytes: int, threads: int) -> list[tuple[int, int]]:
+        # At least one read per worker thread for the batch, so every thread reads (like a 16-thread pread).
+        per = max(1, min(fill_bytes // max(1, row_bytes), -(-len(self.rows) // threads)))
         return [(r0 + a, r0 + a + k) for a, k in split(r1 - r0, per)]
 
     def _fill(self, r0: int, r1: int, a: int, b: int) -> Any:
