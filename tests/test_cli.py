@@ -584,3 +584,15 @@ def test_bench_trace_writes_a_perfetto_trace_per_gpufeed_method(tmp_path, capsys
     batches = -(-((1 << 20) // ROW) // 64)
     assert len([e for e in spans if e["name"] == "wait"]) == batches + 1  # + the end of the epoch
     assert json.loads((tmp_path / "bench.json").read_text())["methods"][1]["extra"]["trace"] == str(trace)
+
+
+def test_gpufeed_debug_shows_the_traceback(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GPUFEED_DEBUG", "1")
+    (tmp_path / "t.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + b"garbage" * 100)  # a broken HDF5 file
+    with pytest.raises(Exception, match=r"cannot open .*t\.h5 as HDF5") as exc:
+        main(["inspect", str(tmp_path / "t.h5")])
+    assert isinstance(exc.value.__cause__, OSError)  # h5py's own error, chained
+    monkeypatch.delenv("GPUFEED_DEBUG")
+    assert main(["inspect", str(tmp_path / "t.h5")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpufeed inspect: error: cannot open {tmp_path / 't.h5'} as HDF5 (")

@@ -86,7 +86,11 @@ def inspect_hdf5(path: str) -> dict[str, Any]:
 
     h5py = require("h5py", "gpufeed inspect on HDF5 files")
     datasets: list[dict[str, Any]] = []
-    with h5py.File(path, "r") as f:
+    try:
+        f = h5py.File(path, "r")
+    except OSError as exc:
+        raise CLIError(f"cannot open {path} as HDF5 ({exc}); is the file complete?") from exc
+    with f:
         names: list[str] = []
         f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
         for name in names:

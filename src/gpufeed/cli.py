@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -26,6 +27,8 @@ examples:
   gpufeed doctor                         # CUDA, pinned and disk bandwidth, GDS, installed extras
   gpufeed inspect train.h5               # how gpufeed would read each dataset, and why
   gpufeed convert train.h5 train.raw/    # HDF5 -> raw files + manifest.json (for RawSource/GDSSource)
+
+Errors print one line; GPUFEED_DEBUG=1 shows the full traceback instead.
 """
 
 
@@ -87,9 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(_module(args.module).run(args) or 0)
-    except CLIError as exc:
-        return _fail(args.command, str(exc))
-    except (FileNotFoundError, ImportError, ValueError, OSError) as exc:  # bad input or a missing extra
+    except (CLIError, ImportError, ValueError, OSError) as exc:  # bad input or a missing extra
+        if os.environ.get("GPUFEED_DEBUG", "0") not in ("", "0"):
+            raise  # the full traceback, for a bug report
         return _fail(args.command, str(exc) or type(exc).__name__)
     except KeyboardInterrupt:
         print(f"gpufeed {args.command}: interrupted", file=sys.stderr)
