@@ -1,6 +1,6 @@
 """Distributed data parallel training with gpufeed: every rank reads its own share of a BatchSource.
 
-    torchrun --nproc_per_node=2 examples/ddp.py            # NCCL, one GPU per process (gloo on CPU without CUDA)
+    torchrun --nproc_per_node=2 examples/ddp.py            # NCCL, a GPU per process (else gloo on CPU)
     torchrun --nproc_per_node=2 examples/ddp.py --smoke    # tiny and quick
     python examples/ddp.py --smoke                         # a single process (world size 1)
 
@@ -17,7 +17,8 @@ shards by itself (rank and world size come from ``torch.distributed``):
 
 ``torch.cuda.set_device(local_rank)`` comes first, and ``CudaPrefetcher(device=None)`` then picks that
 device: each rank's batches land on its own GPU, not on ``cuda:0``. Every epoch the example gathers the
-``y`` field from all ranks and checks the coverage; rank 0 prints ``PASS`` at the end (a rank that finds a problem prints ``FAIL``).
+``y`` field from all ranks and checks the coverage; rank 0 prints ``PASS`` at the end (a rank that finds a
+problem prints ``FAIL``).
 All ranks must see the same file system (one node, or a shared ``--data-dir``).
 """
 
@@ -127,7 +128,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device,
                   f"{mine.device}, mean loss {total.item() / mine.numel():.4f}", flush=True)
             problem = check_epoch(mine, len(ids), len(source), world)
             if problem is None and previous is not None and torch.equal(previous, mine):
-                problem = f"epoch {epoch} repeated the order of epoch {epoch - 1} (set_epoch did not reshuffle)"
+                problem = f"the order of epoch {epoch - 1} came again: set_epoch did not reshuffle"
             if not agree(problem is None, device):
                 print(f"FAIL: rank {rank}: epoch {epoch}: {problem or 'another rank failed'}", flush=True)
                 return 1
@@ -135,9 +136,9 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device,
         final = total / mine.numel()
         dist.all_reduce(final)  # SUM (gloo has no AVG)
     if rank == 0:
-        print(f"PASS: {world} rank(s) x {args.epochs} epochs on {device.type} ({dist.get_backend()}): every "
-              f"epoch the ranks' shares were disjoint, equal in batches and covered all {len(source)} samples "
-              f"exactly once; final loss {final.item() / world:.4f}", flush=True)
+        print(f"PASS: {world} rank(s) x {args.epochs} epochs on {device.type} ({dist.get_backend()}): "
+              f"every epoch the ranks' shares were disjoint, equal in batches and covered all "
+              f"{len(source)} samples exactly once; final loss {final.item() / world:.4f}", flush=True)
     return 0
 
 
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--features", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=512, help="per rank")
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--data-dir", type=Path, default=None, help="where rank 0 writes the data (default: a temp dir)")
+    p.add_argument("--data-dir", type=Path, default=None, help="where rank 0 writes the data (default: temp)")
     p.add_argument("--cpu", action="store_true", help="gloo on the CPU even when CUDA is available")
     p.add_argument("--smoke", action="store_true", help="tiny and quick")
     args = p.parse_args(argv)
