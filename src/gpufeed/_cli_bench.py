@@ -193,7 +193,7 @@ def _config(args: argparse.Namespace) -> Config:
 
 def _device(text: str | None) -> torch.device:
     if text is None:
-        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        text = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(text)
     except (RuntimeError, TypeError):
@@ -202,6 +202,8 @@ def _device(text: str | None) -> torch.device:
         raise CLIError(f"--device {text}: CUDA is not available here; use --device cpu")
     if dev.type not in ("cpu", "cuda"):
         raise CLIError(f"--device must be cpu, cuda or cuda:N, got {text!r}")
+    if dev.type == "cuda" and dev.index is None:  # tensors report cuda:N; compare like with like
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
