@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -144,3 +146,32 @@ def test_non_contiguous_out_is_rejected(tmp_path):
     src = RawSource(tmp_path / "x.npy")
     with pytest.raises(ValueError, match=r"contiguous"):
         src.read(range(4), {"x": torch.empty(2, 4).t()})
+
+
+def test_scattered_rows_are_gathered_from_a_memory_map(tmp_path, monkeypatch):
+    import gpufeed.sources._io as io
+
+    x = np.arange(200 * 6, dtype=np.float32).reshape(200, 6)
+    np.save(tmp_path / "a.npy", x[:90])
+    np.save(tmp_path / "b.npy", x[90:])
+    calls = []
+    real = io.gather_rows
+    monkeypatch.setattr(io, "gather_rows", lambda *a: (calls.append(len(a[1])), real(*a)))
+    src = RawSource([tmp_path / "a.npy", tmp_path / "b.npy"])
+    rows = np.sort(np.random.default_rng(0).choice(200, 40, replace=False))
+    out = {"x": torch.empty(40, 6)}
+    src.read(rows, out)
+    assert calls == [40] and np.array_equal(out["x"].numpy(), x[rows])
+    src.read(range(0, 40), out)  # one long run: pread, not the map
+    assert calls == [40] and np.array_equal(out["x"].numpy(), x[:40])
+
+
+def test_file_truncated_after_opening_raises_on_the_gather_path_too(tmp_path):
+    x = np.zeros((100, 16), np.uint8)
+    np.save(tmp_path / "x.npy", x)
+    src = RawSource(tmp_path / "x.npy")
+    rows = np.arange(0, 100, 3)
+    src.read(rows, {"x": torch.empty(len(rows), 16, dtype=torch.uint8)})  # maps the file
+    os.truncate(tmp_path / "x.npy", os.path.getsize(tmp_path / "x.npy") - 40)
+    with pytest.raises(OSError, match=r"short read from .*x.npy"):
+        src.read(rows, {"x": torch.empty(len(rows), 16, dtype=torch.uint8)})

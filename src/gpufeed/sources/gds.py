@@ -13,12 +13,16 @@ from gpufeed._extras import require
 
 from ._io import (
     FileDescriptors,
+    FileMaps,
     PathLike,
     _PerProcess,
     as_paths,
     check_outs,
     check_rows,
+    device_bytes,
+    host_bytes,
     pread_exact,
+    read_by_offset,
     short_read_message,
 )
 from ._layout import Layout
@@ -132,6 +136,7 @@ class GDSSource:
         self._small = int(self._task_size or defaults.get("task_size")) if self._mode == "compat" else 0
         self._files = _CuFiles(self._paths)
         self._fds = FileDescriptors(self._paths)
+        self._maps = FileMaps(self._paths)
 
     @property
     def fields(self) -> Mapping[str, Field]:
@@ -189,11 +194,15 @@ class GDSSource:
         small, paths = self._small, self._paths
         try:
             for name, layout in self._layouts.items():
-                buf: Any = bufs[name] if device_type == "cuda" else bufs[name].numpy()
-                mv = memoryview(buf) if small else None
+                nbytes = runs.n * layout.row_nbytes
+                t = bufs[name]
+                if device_type == "cpu" and runs.scattered(layout.row_nbytes):  # as RawSource does
+                    read_by_offset(layout, runs, t, self._fds, self._maps, paths)
+                    continue
+                buf: Any = device_bytes(t, nbytes) if device_type == "cuda" else host_bytes(t, nbytes)
                 for f, fo, nb, oo in zip(*layout.byte_reads(runs), strict=True):
                     if nb < small:
-                        pread_exact(self._fds.get(f), mv[oo : oo + nb], fo, paths[f])  # type: ignore[index]
+                        pread_exact(self._fds.get(f), buf[oo : oo + nb], fo, paths[f])
                         continue
                     fut = self._files.get(f).pread(buf[oo : oo + nb], nb, fo, self._task_size)
                     pending.append((fut, f, fo, nb))
@@ -223,6 +232,7 @@ class GDSSource:
         """Close this process's kvikio and OS file handles (a later ``read`` reopens them). Idempotent."""
         self._files.close()
         self._fds.close()
+        self._maps.close()
 
     def __enter__(self) -> GDSSource:
         return self
@@ -232,7 +242,7 @@ class GDSSource:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_files"] = state["_fds"] = None
+        state["_files"] = state["_fds"] = state["_maps"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

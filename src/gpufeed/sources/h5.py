@@ -17,16 +17,19 @@ from gpufeed._extras import require
 
 from ._io import (
     FileDescriptors,
+    FileMaps,
     PathLike,
     _PerProcess,
     as_paths,
     check_file,
     check_outs,
     check_rows,
+    host_bytes,
     pread_exact,
+    read_by_offset,
     torch_dtype,
 )
-from ._layout import Extent, Layout, Runs, merge_extents
+from ._layout import Extent, Layout, merge_extents
 from .base import Field, Rows
 
 # h5py serializes every call behind its own global lock anyway; ours keeps a read_direct and its
@@ -119,6 +122,7 @@ class H5Source:
         self._len = len(next(iter(self._layouts.values())))
         self._where = f"H5Source({os.path.basename(self._paths[0])}{', ...' if len(self._paths) > 1 else ''})"
         self._fds = FileDescriptors(self._paths)
+        self._maps = FileMaps(self._paths)
         self._h5 = _H5Files(self._paths)
 
     @property
@@ -172,14 +176,10 @@ class H5Source:
             return
         for name, layout in self._layouts.items():
             if layout.by_offset:
-                self._read_offsets(layout, runs, memoryview(bufs[name].numpy()))
+                read_by_offset(layout, runs, bufs[name], self._fds, self._maps, self._paths)
             else:
-                self._read_mixed(layout, runs.pairs(), out[name][:n], memoryview(bufs[name].numpy()))
-
-    def _read_offsets(self, layout: Layout, runs: Runs, mv: memoryview) -> None:
-        fds, paths = self._fds, self._paths
-        for f, fo, nb, oo in zip(*layout.byte_reads(runs), strict=True):
-            pread_exact(fds.get(f), mv[oo : oo + nb], fo, paths[f])
+                mv = host_bytes(bufs[name], n * layout.row_nbytes)
+                self._read_mixed(layout, runs.pairs(), bufs[name][:n], mv)
 
     def _read_mixed(
         self, layout: Layout, runs: list[tuple[int, int]], t: torch.Tensor, mv: memoryview
@@ -198,6 +198,7 @@ class H5Source:
     def close(self) -> None:
         """Close this process's file descriptors and h5py files (a later ``read`` reopens). Idempotent."""
         self._fds.close()
+        self._maps.close()
         with _H5PY_LOCK:
             self._h5.close()
 

@@ -13,12 +13,13 @@ import torch
 from . import _manifest
 from ._io import (
     FileDescriptors,
+    FileMaps,
     PathLike,
     as_paths,
     check_file,
     check_outs,
     check_rows,
-    pread_exact,
+    read_by_offset,
     sample_shape,
     torch_dtype,
 )
@@ -128,6 +129,7 @@ class RawSource:
         self._len = len(next(iter(layouts.values())))
         self._where = f"RawSource({os.path.basename(paths[0])}{', ...' if len(paths) > 1 else ''})"
         self._fds = FileDescriptors(paths)
+        self._maps = FileMaps(paths)
 
     @property
     def fields(self) -> Mapping[str, Field]:
@@ -159,15 +161,13 @@ class RawSource:
         bufs = check_outs(self._fields, out, runs.n, "cpu", self._where)
         if runs.n == 0:
             return
-        fds, paths = self._fds, self._paths
         for name, layout in self._layouts.items():
-            mv = memoryview(bufs[name].numpy())
-            for f, fo, nb, oo in zip(*layout.byte_reads(runs), strict=True):
-                pread_exact(fds.get(f), mv[oo : oo + nb], fo, paths[f])
+            read_by_offset(layout, runs, bufs[name], self._fds, self._maps, self._paths)
 
     def close(self) -> None:
-        """Close this process's file descriptors (a later ``read`` reopens them). Idempotent."""
+        """Close this process's file descriptors and maps (a later ``read`` reopens them). Idempotent."""
         self._fds.close()
+        self._maps.close()
 
     def __enter__(self) -> RawSource:
         return self
