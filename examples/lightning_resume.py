@@ -119,13 +119,16 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
 
     checkpoints = ModelCheckpoint(dirpath=tmp / "ckpt", filename="{step}", every_n_train_steps=args.every,
                                   save_top_k=-1, save_last=True)
+    preempted = Classifier()
     try:
-        fit(args, Classifier(), [PreemptAt(args.stop), checkpoints])
+        fit(args, preempted, [PreemptAt(args.stop), checkpoints])
     except Preempted as exc:
         print(f"interrupted: {exc}")
     else:
         print(f"error: run 2 was not preempted (--stop {args.stop}, {len(full.seen)} steps)", file=sys.stderr)
         return 1
+    finally:
+        preempted.teardown("fit")  # Lightning skips the module's teardown hook when fit raises
     last = tmp / "ckpt" / "last.ckpt"
     ckpt = torch.load(last, map_location="cpu", weights_only=False)
     step, (state,) = ckpt["global_step"], ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
