@@ -23,6 +23,11 @@ L = pytest.importorskip("lightning", reason="lightning is not installed (pip ins
 from lightning.fabric.utilities.types import _Stateful  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`"),  # we resume without callbacks
+    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),  # in Lightning
+]
+
 N, BATCH, EPOCHS = 50, 8, 3
 STEPS_PER_EPOCH = -(-N // BATCH)  # 7
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
