@@ -187,3 +187,13 @@ def test_resume_over_a_stateful_dataloader(num_workers, stop_at):
         got += [b[0].tolist() for b in pf]
     assert got == expected
     assert got[: len(uninterrupted)] == uninterrupted
+
+
+def test_an_iter_that_is_never_advanced_does_not_count_as_an_epoch():
+    # Lightning calls iter() once to check a loader is iterable; that must not shift the epochs.
+    with CudaPrefetcher(ArraySource(), device="cpu", batch_size=10, shuffle=True, seed=2) as pf:
+        iter(pf)
+        first = [b["y"] for b in collect(pf)]
+        assert pf.epoch == 0
+    assert all(torch.equal(a, torch.from_numpy(np.asarray(r)))
+               for a, r in zip(first, plan_batches(103, 10, shuffle=True, seed=2, epoch=0)))

@@ -159,7 +159,6 @@ class CudaPrefetcher:
                 self.epoch += 1
                 self._mode.set_epoch(self.epoch, implicit=True)
             self._epoch_set = False
-            self._started = True
             self._state = self._mode.initial_state(self.epoch, start)
             it = _EpochIterator(self, self._mode.batches(self.epoch, start))
             self._current = weakref.ref(it)
@@ -281,6 +280,8 @@ class _EpochIterator:
         if self._pf._trace is not None:
             self._pf._trace.add("wait", int(t0 * 1e9), int(now * 1e9), "consumer", batch=stats.batches)
         if isinstance(item, Delivered):
+            if not self._pf._started:  # an epoch counts once it hands out a batch (not a probing iter())
+                self._pf._started = True
             stats.batches += 1
             self._pf._state = item.state
             batch = item.handover(self._consumer_stream)
