@@ -279,33 +279,48 @@ class FileDescriptors(_PerProcess):
 
 
 class FileMaps(_PerProcess):
-    """Read-only memory maps of whole files, as flat uint8 tensors, opened lazily per process."""
+    """Read-only memory maps of whole files, opened lazily per process, for gathering scattered rows."""
 
-    def _open(self, path: str) -> tuple[mmap.mmap, torch.Tensor] | None:
+    def _open(self, path: str) -> _Map | None:
         with open(path, "rb") as fh:
             if os.fstat(fh.fileno()).st_size == 0:
                 return None
-            m = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
+            return _Map(mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ))
+
+    def _close(self, handle: _Map | None) -> None:
+        pass  # the mapping goes with the last tensor over it
+
+
+class _Map:
+    """One file's mapping as a flat uint8 tensor, and "row" views of it per row size (built once)."""
+
+    def __init__(self, m: mmap.mmap) -> None:
+        self.mmap = m
         with warnings.catch_warnings():  # a read-only buffer: the tensor is only ever read
             warnings.simplefilter("ignore", UserWarning)
-            return m, torch.frombuffer(m, dtype=torch.uint8)
+            self.flat = torch.frombuffer(m, dtype=torch.uint8)
+        self._rows: dict[int, torch.Tensor] = {}
 
-    def _close(self, handle: tuple[mmap.mmap, torch.Tensor] | None) -> None:
-        if handle is not None:
-            del handle  # the mapping goes when the last tensor over it does
+    def rows(self, row_nbytes: int) -> torch.Tensor:
+        """A view whose row ``j`` is bytes ``j .. j + row_nbytes`` of the file (rows overlap)."""
+        view = self._rows.get(row_nbytes)
+        if view is None:
+            n = self.flat.numel() - row_nbytes + 1
+            view = self._rows[row_nbytes] = self.flat.as_strided((n, row_nbytes), (1, 1))
+        return view
 
 
 def gather_rows(
-    maps: FileMaps, files: np.ndarray, offsets: np.ndarray, row_nbytes: int, out: torch.Tensor
+    maps: FileMaps, files: int | np.ndarray, offsets: np.ndarray, row_nbytes: int, out: torch.Tensor
 ) -> None:
-    """Copy the ``row_nbytes`` at ``offsets[i]`` of file ``files[i]`` into ``out[i]``.
+    """Copy the ``row_nbytes`` at ``offsets[i]`` of file ``files[i]`` (or of file ``files``) into ``out[i]``.
 
     ``out`` is an ``(n, row_nbytes)`` uint8 tensor. One ``index_select`` per file: the copy runs in C with
-    the GIL released.
+    the GIL released, and few torch calls are made (each one hands the GIL over, which costs a lot when
+    many reader threads want it).
     """
-    first = int(files[0])
-    if (files == first).all():
-        _gather_file(maps, first, offsets, row_nbytes, out)
+    if not isinstance(files, np.ndarray):
+        _gather_file(maps, files, offsets, row_nbytes, out)
         return
     for f in np.unique(files).tolist():
         pos = np.flatnonzero(files == f)
@@ -315,15 +330,13 @@ def gather_rows(
 
 
 def _gather_file(maps: FileMaps, i: int, offsets: np.ndarray, row_nbytes: int, out: torch.Tensor) -> None:
-    handle = maps.get(i)
+    m = maps.get(i)
     last = int(offsets.max())
     # Check against the file as it is now: touching a mapped page past its end kills the process (SIGBUS).
-    size = min(handle[0].size(), handle[1].numel()) if handle is not None else 0
+    size = min(m.mmap.size(), m.flat.numel()) if m is not None else 0
     if last + row_nbytes > size:
         raise OSError(short_read_message(maps.paths[i], last, row_nbytes, max(0, size - last)))
-    src = handle[1]
-    rows = src.as_strided((src.numel() - row_nbytes + 1, row_nbytes), (1, 1))  # row j: bytes j .. j + rn
-    torch.index_select(rows, 0, torch.from_numpy(offsets), out=out)
+    torch.index_select(m.rows(row_nbytes), 0, torch.from_numpy(offsets), out=out)
 
 
 def read_by_offset(
@@ -341,8 +354,9 @@ def read_by_offset(
 
 
 def rows_bytes(t: torch.Tensor, n: int, row_nbytes: int) -> torch.Tensor:
-    """The first ``n`` rows of a contiguous tensor as an ``(n, row_nbytes)`` uint8 view."""
-    return t[:n].reshape(n, -1).view(torch.uint8).view(n, row_nbytes)
+    """The first ``n`` rows of a host tensor as an ``(n, row_nbytes)`` uint8 tensor (no torch op)."""
+    raw = np.frombuffer(host_bytes(t, n * row_nbytes), dtype=np.uint8).reshape(n, row_nbytes)
+    return torch.from_numpy(raw)
 
 
 def _reset_in_child() -> None:

@@ -93,6 +93,7 @@ class Layout:
         self._first = np.array(self.starts[:-1], dtype=np.int64)
         self._offsets = np.array([e.offset for e in self.extents], dtype=np.int64)
         self._files = np.array([e.file for e in self.extents], dtype=np.int64)
+        self._one_file = self.extents[0].file if len(set(self._files.tolist())) == 1 else None
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -102,14 +103,16 @@ class Layout:
         """True when every row can be read by byte offset (no h5py extent)."""
         return all(e.offset >= 0 for e in self.extents)
 
-    def row_offsets(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """File index and byte offset of each of ``rows`` (every extent by offset)."""
+    def row_offsets(self, rows: np.ndarray) -> tuple[int | np.ndarray, np.ndarray]:
+        """The file (one index when every extent is in one file, else one per row) and byte offset of
+        each of ``rows`` (every extent by offset)."""
         rn = self.row_nbytes
         if len(self.extents) == 1:
             e = self.extents[0]
-            return np.full(len(rows), e.file, dtype=np.int64), e.offset + rows * rn
+            return e.file, e.offset + rows * rn
         i = np.searchsorted(self._bounds, rows, side="right")
-        return self._files[i], self._offsets[i] + (rows - self._first[i]) * rn
+        offsets = self._offsets[i] + (rows - self._first[i]) * rn
+        return (self._one_file if self._one_file is not None else self._files[i]), offsets
 
     def split(self, runs: Sequence[tuple[int, int]]) -> Iterator[tuple[Extent, int, int, int]]:
         """Yield ``(extent, first row in the extent, rows, first output row)`` covering ``runs`` in order."""
