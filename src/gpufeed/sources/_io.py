@@ -16,7 +16,6 @@ import torch
 
 from ._layout import Layout, Runs
 from .base import Field, Rows
-from .sampling import _runs
 
 PathLike = str | os.PathLike
 
@@ -67,7 +66,7 @@ def sample_shape(shape: Any, where: str) -> tuple[int, ...]:
 
 
 def check_rows(rows: Rows, num_samples: int, where: str) -> Runs:
-    """The runs of consecutive rows in ``rows``, in order; IndexError for rows out of range."""
+    """The rows to read, checked; IndexError for rows out of range."""
     if type(rows) is range and rows.step == 1:  # the prefetcher's usual case: no numpy on this path
         a, b = rows.start, rows.stop
         if b <= a:
@@ -75,13 +74,21 @@ def check_rows(rows: Rows, num_samples: int, where: str) -> Runs:
         if a < 0 or b > num_samples:
             _out_of_range(a if a < 0 else b - 1, num_samples, where)
         return Runs.single(a, b)
-    starts, stops = _runs(rows)
-    runs = Runs(starts, stops, np.asarray(rows, dtype=np.int64) if len(starts) > 1 else None)
-    if runs.n:
-        lo, hi = int(starts.min()), int(stops.max())
-        if lo < 0 or hi > num_samples:
-            _out_of_range(lo if lo < 0 else hi - 1, num_samples, where)
-    return runs
+    if isinstance(rows, range):
+        rows = np.arange(rows.start, rows.stop, rows.step, dtype=np.int64)
+    arr = np.asarray(rows)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(
+            f"{where}: rows must be a range or a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}; "
+            "pass e.g. np.array([0, 5, 6], dtype=np.int64)"
+        )
+    if arr.size == 0:
+        return Runs.single(0, 0)
+    arr = arr.astype(np.int64, copy=False)
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= num_samples:
+        _out_of_range(lo if lo < 0 else hi, num_samples, where)
+    return Runs(arr)
 
 
 def _out_of_range(row: int, num_samples: int, where: str) -> None:

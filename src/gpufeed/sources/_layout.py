@@ -12,14 +12,44 @@ from .base import Field
 
 
 class Runs:
-    """Runs of consecutive rows, in the order asked: rows ``starts[i] .. stops[i] - 1`` (int64 arrays),
-    or a single run ``one = (start, stop)`` kept in plain Python (a contiguous range: no numpy at all)."""
+    """The rows of one read: a single run ``one = (start, stop)`` kept in plain Python (a range: no numpy
+    at all), or an int64 array ``rows`` whose runs of consecutive rows (``starts``, ``stops``) are found
+    only when needed: the gather path for scattered rows never needs them."""
 
-    __slots__ = ("n", "one", "rows", "starts", "stops")
+    __slots__ = ("_count", "_starts", "_stops", "n", "one", "rows")
 
-    def __init__(self, starts: np.ndarray, stops: np.ndarray, rows: np.ndarray | None = None) -> None:
-        self.starts, self.stops, self.one, self.rows = starts, stops, None, rows
-        self.n = int((stops - starts).sum()) if starts.size else 0
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows, self.one, self.n = rows, None, len(rows)
+        self._starts = self._stops = None
+        self._count = -1
+
+    @classmethod
+    def single(cls, start: int, stop: int) -> Runs:
+        runs = cls.__new__(cls)
+        runs.rows = runs._starts = runs._stops = None
+        runs.one = (start, stop) if stop > start else None
+        runs.n = max(0, stop - start)
+        runs._count = 1 if runs.one else 0
+        return runs
+
+    @property
+    def count(self) -> int:
+        """The number of runs."""
+        if self._count < 0:
+            self._count = int(np.count_nonzero(np.diff(self.rows) != 1)) + 1 if self.n else 0
+        return self._count
+
+    @property
+    def starts(self) -> np.ndarray:
+        if self._starts is None:
+            self._starts, self._stops = _run_bounds(self.rows)
+        return self._starts
+
+    @property
+    def stops(self) -> np.ndarray:
+        if self._stops is None:
+            self._starts, self._stops = _run_bounds(self.rows)
+        return self._stops
 
     def scattered(self, row_nbytes: int) -> bool:
         """Many short runs (a shuffled batch): gather rows from a memory map rather than one pread per run.
@@ -28,21 +58,21 @@ class Runs:
         handing the GIL over than copying. One ``index_select`` per read copies every row with the GIL
         released (measured: about 7x faster for 12 KiB rows). Long runs keep ``pread``.
         """
-        k = 0 if self.starts is None else len(self.starts)
-        return self.rows is not None and k >= 8 and self.n * row_nbytes < k * (256 << 10)
-
-    @classmethod
-    def single(cls, start: int, stop: int) -> Runs:
-        runs = cls.__new__(cls)
-        runs.starts = runs.stops = runs.rows = None
-        runs.one = (start, stop) if stop > start else None
-        runs.n = max(0, stop - start)
-        return runs
+        return self.rows is not None and self.count >= 8 and self.n * row_nbytes < self.count * (256 << 10)
 
     def pairs(self) -> list[tuple[int, int]]:
-        if self.starts is None:
+        if self.rows is None:
             return [self.one] if self.one else []
         return list(zip(self.starts.tolist(), self.stops.tolist(), strict=True))
+
+
+def _run_bounds(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    if rows.size == 0:
+        return rows, rows
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts = rows[np.concatenate(([0], breaks))]
+    stops = rows[np.concatenate((breaks - 1, [rows.size - 1]))] + 1
+    return starts, stops
 
 
 #: Reads as four parallel lists: file index, file offset, byte count, output offset.
@@ -134,7 +164,7 @@ class Layout:
         read (which holds the GIL that the reader threads share) to the ``preadv`` call itself.
         """
         rn = self.row_nbytes
-        if runs.starts is None:  # one run or none
+        if runs.rows is None:  # one run or none
             if runs.one is None:
                 return [], [], [], []
             if len(self.extents) > 1:

@@ -10,6 +10,7 @@ from typing import Literal
 
 import numpy as np
 
+from ._layout import _run_bounds
 from .base import Rows
 
 Shuffle = bool | Literal["blocks"]
@@ -123,13 +124,7 @@ def _runs(rows: Rows) -> tuple[np.ndarray, np.ndarray]:
             f"rows must be a range or a 1-D integer array, got shape {a.shape} dtype {a.dtype}; "
             "pass e.g. np.array([0, 5, 6], dtype=np.int64)"
         )
-    a = a.astype(np.int64, copy=False)
-    if a.size == 0:
-        return a, a
-    breaks = np.flatnonzero(np.diff(a) != 1) + 1
-    starts = a[np.concatenate(([0], breaks))]
-    stops = a[np.concatenate((breaks - 1, [a.size - 1]))] + 1
-    return starts, stops
+    return _run_bounds(a.astype(np.int64, copy=False))
 
 
 def _check_args(n, b, shuffle, drop_last, seed, epoch, rank, world_size, pad) -> None:
