@@ -341,10 +341,13 @@ class SourceRead16(Pread16):
 
     def _read(self, buf: torch.Tensor, a: int, b: int) -> None:
         rb, step = self.cfg.sample_bytes, -(-(b - a) // self.cfg.threads)
+        flat = buf.numpy()
 
         def piece(r: int) -> None:
             k = min(step, b - r)
-            view = buf[(r - a) * rb : (r - a + k) * rb].view(k, *self.cfg.sample)
+            # Views made with numpy + from_numpy: torch's slicing ops hand the GIL over on every call,
+            # which costs a third of the throughput with 16 reader threads (measured).
+            view = torch.from_numpy(flat[(r - a) * rb : (r - a + k) * rb].reshape(k, *self.cfg.sample))
             self.source.read(range(r, r + k), {self.name: view})
 
         list(self.pool.map(piece, range(a, b, step)))
