@@ -197,3 +197,27 @@ def test_an_iter_that_is_never_advanced_does_not_count_as_an_epoch():
         assert pf.epoch == 0
     assert all(torch.equal(a, torch.from_numpy(np.asarray(r)))
                for a, r in zip(first, plan_batches(103, 10, shuffle=True, seed=2, epoch=0)))
+
+
+class OddSource(ArraySource):
+    """Fields whose row sizes (3 bytes, 8 bytes) misalign a naive packing of the staging buffer."""
+
+    def __init__(self, n=77):
+        rng = np.random.default_rng(5)
+        self.arrays = {"a": rng.integers(0, 255, (n, 3), dtype=np.uint8),
+                       "y": np.arange(n, dtype=np.int64), "h": rng.standard_normal((n, 1)).astype(np.float16)}
+        self.fields = {k: Field(k, a.shape[1:], torch.from_numpy(a).dtype) for k, a in self.arrays.items()}
+        self.reads_to = "host"
+        self.fail_at = None
+        self.closed = False
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 32 << 20])
+def test_fields_of_odd_row_sizes(device, chunk_bytes):
+    src = OddSource()
+    with CudaPrefetcher(src, device=device, batch_size=13, shuffle=True, chunk_bytes=chunk_bytes) as pf:
+        got = collect(pf)
+    ys = torch.cat([b["y"] for b in got]).numpy()
+    assert sorted(ys) == list(range(77))
+    for k in ("a", "h"):
+        assert np.array_equal(torch.cat([b[k] for b in got]).numpy(), src.arrays[k][ys])

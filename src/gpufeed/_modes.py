@@ -172,6 +172,16 @@ class SourceMode:
 
 
 STATE_VERSION = 1
+_ALIGN = 64  # each field's region in a staging buffer starts on a cache line (and any dtype's alignment)
+
+
+def _regions(fields: Any, nrows: int) -> tuple[dict[str, int], int]:
+    """Byte offsets of each field's ``nrows`` rows inside one staging buffer, and the buffer's size."""
+    offsets, off = {}, 0
+    for k, f in fields.items():
+        offsets[k] = off
+        off += -(-(nrows * f.sample_nbytes) // _ALIGN) * _ALIGN
+    return offsets, off
 
 
 def _check_state(state: Any, mode: str) -> None:
@@ -239,13 +249,11 @@ class SourceBatch:
         row_bytes = sum(f.sample_nbytes for f in fields.values())
         chunks = []
         for r0, r1 in self._row_pieces(row_bytes, chunk_bytes):
-            copies, off = [], 0
-            for k, f in fields.items():
-                m = (r1 - r0) * f.sample_nbytes
-                copies.append((byte_view(out[k])[r0 * f.sample_nbytes : r1 * f.sample_nbytes], off, m))
-                off += m
-            fills = [self._fill(r0, r1, a, b) for a, b in self._sub(r0, r1, row_bytes, fill_bytes, threads)]
-            chunks.append(Chunk((r1 - r0) * row_bytes, fills, copies))
+            offsets, nbytes = _regions(fields, r1 - r0)
+            copies = [(byte_view(out[k])[r0 * f.sample_nbytes : r1 * f.sample_nbytes], offsets[k],
+                       (r1 - r0) * f.sample_nbytes) for k, f in fields.items()]
+            fills = [self._fill(offsets, r0, a, b) for a, b in self._sub(r0, r1, row_bytes, fill_bytes, threads)]
+            chunks.append(Chunk(nbytes, fills, copies))
         return chunks
 
     def _sub(self, r0: int, r1: int, row_bytes: int, fill_bytes: int, threads: int) -> list[tuple[int, int]]:
@@ -253,17 +261,16 @@ class SourceBatch:
         per = max(1, min(fill_bytes // max(1, row_bytes), -(-len(self.rows) // threads)))
         return [(r0 + a, r0 + a + k) for a, k in split(r1 - r0, per)]
 
-    def _fill(self, r0: int, r1: int, a: int, b: int) -> Any:
-        """Read rows ``[a, b)`` into their place in a chunk buffer holding rows ``[r0, r1)``, field after field."""
+    def _fill(self, offsets: dict[str, int], r0: int, a: int, b: int) -> Any:
+        """Read rows ``[a, b)`` into their place in a chunk buffer whose field regions start at ``offsets``."""
         fields = self.source.fields
         rows = self.rows[a:b]
 
         def fill(buf: torch.Tensor) -> None:
-            views, off = {}, 0
+            views = {}
             for k, f in fields.items():
-                base = off + (a - r0) * f.sample_nbytes
+                base = offsets[k] + (a - r0) * f.sample_nbytes
                 views[k] = buf[base : base + (b - a) * f.sample_nbytes].view(f.dtype).view(b - a, *f.shape)
-                off += (r1 - r0) * f.sample_nbytes
             self.source.read(rows, views)
 
         return fill
