@@ -109,7 +109,9 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device,
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     previous = None
-    with CudaPrefetcher(source, device=None, batch_size=args.batch_size, shuffle=True, seed=0) as pf:
+    # device=None: gpufeed takes the rank's current CUDA device (set by init_process_group); --cpu asks for cpu.
+    want = None if device.type == "cuda" else "cpu"
+    with CudaPrefetcher(source, device=want, batch_size=args.batch_size, shuffle=True, seed=0) as pf:
         if not agree(pf.device == device, device):
             print(f"FAIL: rank {rank}: gpufeed picked {pf.device}, the rank's device is {device}", flush=True)
             return 1
