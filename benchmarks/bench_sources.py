@@ -680,6 +680,7 @@ def _doc(cfg: Config, data: Data, rows: list[dict[str, Any]], gds_note: str) -> 
         "gpufeed": gpufeed.__version__,
         "h5py": h5py.__version__,
         "python": platform.python_version(),
+        "cpus": os.cpu_count(),
         "smoke": cfg.smoke,
         "sample_shape": list(cfg.sample),
         "rows": rows,
@@ -702,7 +703,8 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [
         f"# gpufeed sources benchmark: {doc['card']}",
         "",
-        f"torch {doc['torch']}, h5py {doc['h5py']}, {doc['num_samples']} samples of {doc['sample_shape']} "
+        f"torch {doc['torch']}, h5py {doc['h5py']}, {doc['cpus']} CPUs, {doc['num_samples']} samples of "
+        f"{doc['sample_shape']} "
         f"uint8 ({doc['num_samples'] * int(np.prod(doc['sample_shape'])) / GiB:.2f} GiB), batches of "
         f"{doc['batch_bytes'] / MiB:.1f} MiB, median of {doc['reps']} epochs. GDS: {doc['gds']}. "
         f"Cold cache by {doc['cold_method']} (max fraction still cached: {doc['cold_cached_fraction_max']}).",
