@@ -88,12 +88,18 @@ def source_path(tmp: Path, res: dict) -> None:
         res["rawsource_read16_share_in_preadv_per_thread"] = inside[0] / 16 / wall
     finally:
         os.preadv = real
-    for threads in (8, 16):
+    for threads in (4, 8, 16):
         def gf(threads=threads) -> None:
             with CudaPrefetcher(RawSource(path), batch_size=batch, depth=3, num_threads=threads) as pf:
                 for _ in pf:
                     pass
         res[f"gpufeed_raw_t{threads}"] = rate(total, gf, reps=2)
+    for chunk in (16 * MiB, 64 * MiB):
+        def gfc(chunk=chunk) -> None:
+            with CudaPrefetcher(RawSource(path), batch_size=batch, depth=3, chunk_bytes=chunk) as pf:
+                for _ in pf:
+                    pass
+        res[f"gpufeed_raw_chunk{chunk // MiB}"] = rate(total, gfc, reps=2)
     with CudaPrefetcher(RawSource(path), batch_size=batch, depth=3, trace=True) as pf:
         for _ in pf:
             pass
@@ -138,8 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     tmp = Path(args.tmp)
     tmp.mkdir(parents=True, exist_ok=True)
     res: dict = {"card": card, "torch": torch.__version__}
-    staging_path(res)
     source_path(tmp, res)
+    staging_path(res)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"paths-profile-{card}.json").write_text(json.dumps(res, indent=1))

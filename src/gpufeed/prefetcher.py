@@ -229,7 +229,8 @@ class CudaPrefetcher:
     def _pipeline(self) -> ChunkPipeline:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self.num_threads, thread_name_prefix="gpufeed-fill")
-        return ChunkPipeline(self._pool, self._executor, self._stream, max_in_flight=2 * self.num_threads)
+        return ChunkPipeline(self._pool, self._executor, self._stream, max_in_flight=2 * self.num_threads,
+                             trace=self._trace)
 
     def _copier(self) -> Copier:
         return Copier(self.device, self._stream, self._pipeline(), self._pool, self.stats, self.transform,

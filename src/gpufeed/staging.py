@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -179,7 +180,8 @@ class ChunkPipeline:
     """
 
     def __init__(self, pool: PinnedPool, executor: ThreadPoolExecutor, stream: torch.cuda.Stream | None,
-                 max_in_flight: int) -> None:
+                 max_in_flight: int, trace: Any = None) -> None:
+        self.trace = trace  # a TraceRecorder: one span per fill, on the worker's row
         self.pool = pool
         self.executor = executor
         self.stream = stream
@@ -202,7 +204,8 @@ class ChunkPipeline:
                         buf.tensor[: chunk.nbytes].copy_(chunk.src)
                         self._copy(chunk, buf)
                         continue
-                    futs = [self.executor.submit(fill, buf.tensor) for fill in chunk.fills]
+                    fills = chunk.fills if self.trace is None else [_traced(self.trace, f) for f in chunk.fills]
+                    futs = [self.executor.submit(fill, buf.tensor) for fill in fills]
                     pending.append((chunk, buf, futs))
                 if not pending:
                     continue
@@ -223,6 +226,15 @@ class ChunkPipeline:
         for dst, off, n in chunk.copies:
             dst.copy_(buf.tensor[off : off + n], non_blocking=True)
         self.pool.release(buf, self.stream)
+
+
+def _traced(trace: Any, fill: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    def run(buf: torch.Tensor) -> None:
+        t0 = time.perf_counter_ns()
+        fill(buf)
+        trace.add("fill", t0, time.perf_counter_ns())
+
+    return run
 
 
 def _result(fut: Future, stop: threading.Event | None, swallow: bool = False) -> object:
