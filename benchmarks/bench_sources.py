@@ -603,8 +603,10 @@ def compute_rows(cfg: Config, data: Data, rows: list[dict[str, Any]], makers: di
     reads serialize with the default stream would show about 1 + 1/1.2.
     """
     warm = {r["method"]: r for r in rows if (r["workload"], r["cache"]) == ("raw", "warm") and "GBps" in r}
-    a = torch.randn(2048, 2048, device=cfg.device, dtype=torch.bfloat16)
-    one = _time_matmuls(a, 4, cfg) / 4
+    # Few big kernels (about 1.5 ms each on an H200), like a training step: hundreds of small launches
+    # would measure how fast the consumer thread gets the GIL past 16 reader threads, not the overlap.
+    a = torch.randn(8192, 8192, device=cfg.device, dtype=torch.bfloat16) / 90.0
+    one = _time_matmuls(a, 2, cfg) / 2
     steps = len(_bounds(cfg.rows, cfg.batch_rows))
     out = []
     for method, make in makers.items():
