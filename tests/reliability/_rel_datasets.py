@@ -78,3 +78,17 @@ class SourceRows(Dataset):
         out = {k: torch.empty((1, *f.shape), dtype=f.dtype) for k, f in self.source.fields.items()}
         self.source.read(range(i, i + 1), out)
         return {k: v[0] for k, v in out.items()} | {"pid": torch.tensor(os.getpid())}
+
+
+class TwoSourceRows(Dataset):
+    """Sample ``i`` of two sources with the same rows: the first's fields as they are, the second's
+    prefixed with ``b_``."""
+
+    def __init__(self, a: Any, b: Any) -> None:
+        self.a, self.b = SourceRows(a), SourceRows(b)
+
+    def __len__(self) -> int:
+        return len(self.a)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.a[i] | {f"b_{k}": v for k, v in self.b[i].items()}

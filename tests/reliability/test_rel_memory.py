@@ -1,0 +1,172 @@
+"""Memory and resources over many epochs: process RSS, Python objects, the pinned pool, threads, file
+descriptors and (on the GPU machine) CUDA memory stay flat after the first epochs.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from _rel import KINDS, OnDisk, check_epoch, checked, keep, note, open_fds, rss_bytes
+
+from conftest import wait_no_threads
+from gpufeed import CudaPrefetcher
+from gpufeed.sources import plan_batches
+from gpufeed.staging import ChunkPipeline, PinnedPool, plan_leaf_chunks
+
+MiB = 1 << 20
+EPOCHS = 50
+WARM = 5  # epochs before the baseline: allocator pools, lazy imports, h5py caches settle
+
+
+def _needs(kind):
+    if kind not in ("raw", "raw-multi"):
+        pytest.importorskip("h5py")
+
+
+class Marks:
+    """Resource readings after epoch ``WARM`` and every fifth epoch after it (a GC pass first: leaks are
+    what survives a collection)."""
+
+    def __init__(self, pf, device):
+        self.pf, self.device, self.rows, self.epoch = pf, device, [], 0
+
+    def take(self):
+        self.epoch += 1
+        if self.epoch < WARM or (self.epoch - WARM) % 5:
+            return
+        gc.collect()
+        cuda = (0, 0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            cuda = (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
+        pool = self.pf._pool
+        self.rows.append({"rss": rss_bytes(), "objects": len(gc.get_objects()), "pool": pool.allocated,
+                          "buffers": pool.allocations, "fds": len(open_fds()),
+                          "threads": threading.active_count(), "cuda": cuda})
+
+    def check(self, rss_slack=5 * MiB, objects_slack=300):
+        assert self.epoch == EPOCHS and len(self.rows) == 1 + (EPOCHS - WARM) // 5
+        a, b = self.rows[0], self.rows[-1]
+        growth = b["rss"] - a["rss"]
+        assert growth < rss_slack, f"RSS grew {growth / MiB:.1f} MiB from epoch {WARM} to {EPOCHS}"
+        assert b["objects"] - a["objects"] < objects_slack, (a["objects"], b["objects"])
+        for key in ("pool", "buffers", "fds", "threads", "cuda"):
+            assert len({r[key] for r in self.rows}) == 1, (key, [r[key] for r in self.rows])
+        return growth
+
+
+def fresh_batches(n, rows=4096, seed=0):
+    """A loader that allocates new tensors for every batch (about 260 KiB each), as a DataLoader does."""
+    def gen():
+        g = torch.Generator().manual_seed(seed)
+        for i in range(n):
+            yield {"x": torch.randn(rows, 15, generator=g), "y": torch.randint(0, 9, (rows,), generator=g),
+                   "i": i}
+    return gen
+
+
+@pytest.mark.timeout(90)
+def test_loader_50_epochs_flat(device):
+    """50 epochs of a loader with fresh tensors: RSS, objects, pool, threads, fds (and CUDA memory) flat."""
+    loader = fresh_batches(12)
+    with CudaPrefetcher(loader, device=device, depth=3, chunk_bytes=256 << 10, pinned_budget=2 * MiB) as pf:
+        marks = Marks(pf, device)
+        expected = [b["x"].sum().item() for b in loader()]
+        for _ in range(EPOCHS):
+            sums = [b["x"].sum().item() for b in pf]
+            assert sums == expected
+            checked(len(sums))
+            del sums
+            marks.take()
+        growth = marks.check()
+    wait_no_threads()
+    note(f"{EPOCHS} epochs: RSS +{growth / MiB:.2f} MiB from epoch {WARM} to {EPOCHS}; objects, pool, "
+         "threads, descriptors (and CUDA memory) unchanged")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", ["raw", "h5-contiguous", "h5-gzip"])
+def test_source_50_epochs_flat(kind, device, tmp_path):
+    """50 shuffled epochs of a source: RSS, objects, pool, threads, fds (and CUDA memory) flat."""
+    _needs(kind)
+    disk = OnDisk(kind, tmp_path)
+    shuffle = "blocks" if kind == "h5-gzip" else True  # random rows through h5py cost 10 ms a batch
+    with CudaPrefetcher(disk.open(), device=device, batch_size=16, shuffle=shuffle, depth=2) as pf:
+        marks = Marks(pf, device)
+        for epoch in range(EPOCHS):
+            got = [keep(b) for b in pf]
+            check_epoch(got, disk.data, plan_batches(disk.n, 16, shuffle=shuffle, epoch=epoch))
+            del got
+            marks.take()
+        growth = marks.check()
+    wait_no_threads()
+    note(f"{EPOCHS} shuffled epochs: RSS +{growth / MiB:.2f} MiB from epoch {WARM} to {EPOCHS}; objects, "
+         "threads, descriptors (and CUDA memory) unchanged")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", KINDS)
+def test_open_close_leaks_no_descriptor(kind, tmp_path):
+    """Prefetchers over a source opened and closed 15 times (full epochs, ``break``, dropped without
+    ``close``): the process holds the same file descriptors before and after."""
+    _needs(kind)
+    disk = OnDisk(kind, tmp_path)
+
+    def round_trip(i):
+        src = disk.open()
+        pf = CudaPrefetcher(src, device="cpu", batch_size=16, shuffle=bool(i % 2))
+        if i % 3 == 0:
+            list(pf)
+            pf.close()
+        elif i % 3 == 1:
+            for k, _ in enumerate(pf):
+                if k == 2:
+                    break
+            pf.close()
+        else:  # never closed: garbage collection must release everything
+            next(iter(pf))
+            del pf, src
+            gc.collect()
+        wait_no_threads()
+
+    round_trip(0)  # warm-up: lazy imports, h5py's library state
+    before = sorted(open_fds())
+    for i in range(15):
+        round_trip(i)
+    after = sorted(open_fds())
+    assert after == before, sorted(set(after) ^ set(before))
+    note(f"{len(before)} descriptors before and after 15 open/iterate/close rounds (full, break, GC only)")
+
+
+@pytest.mark.timeout(60)
+def test_pinned_pool_flat_over_50_rounds():
+    """The pool (host memory standing in for pinned) under 50 rounds of random staging: allocations stop
+    after the first rounds, its size never exceeds the budget, every buffer comes back."""
+    rng = np.random.default_rng(0)
+    budget, chunk = 256 << 10, 32 << 10
+    pool = PinnedPool(budget, chunk, pin=False)
+    stop = threading.Event()
+    sizes = [int(s) for s in rng.integers(1, 600_000, size=8)]
+    srcs = [torch.randint(0, 256, (s,), dtype=torch.uint8) for s in sizes]
+    seen = []
+    with ThreadPoolExecutor(4) as ex:
+        pipe = ChunkPipeline(pool, ex, None, max_in_flight=8)
+        for _ in range(50):
+            for src in srcs:
+                dst = torch.empty_like(src)
+                pipe.run(plan_leaf_chunks(src, dst, chunk), stop)
+                assert torch.equal(dst, src)
+                assert pool.allocated <= budget
+            checked(len(srcs), 0, sum(sizes))
+            seen.append((pool.allocated, pool.allocations))
+    assert len(set(seen[WARM - 1 :])) == 1, seen
+    assert sum(b.nbytes for b in pool._free) == pool.allocated
+    pool.clear()
+    assert pool.allocated == 0
+    note(f"pool flat at {seen[-1][0] >> 10} KiB ({seen[-1][1]} allocations, all in the first round) within "
+         f"a {budget >> 10} KiB budget; cleared to 0")
