@@ -72,3 +72,22 @@ def test_pipeline_error_in_a_fill_is_raised_and_buffers_come_back():
     with ThreadPoolExecutor(2) as ex, pytest.raises(OSError, match="disk gone"):
         ChunkPipeline(pool, ex, None, max_in_flight=8).run(chunks, STOP)
     assert len(pool._free) == pool.allocations  # every buffer is back in the pool
+
+
+def test_prepared_jobs_fill_their_regions_before_the_copy():
+    # The source-mode shape: a chunk binds its buffer to several jobs that each fill a disjoint region.
+    from gpufeed.staging import Chunk
+
+    data = torch.randint(0, 256, (3, 5000), dtype=torch.uint8)
+    dst = torch.empty(3 * 5000, dtype=torch.uint8)
+
+    def prepare(buf):
+        def job(i):
+            return lambda: buf[i * 5000 : (i + 1) * 5000].copy_(data[i])
+        return [job(i) for i in range(3)]
+
+    chunk = Chunk(3 * 5000, [], [(dst, 0, 3 * 5000)], prepare=prepare)
+    pool = PinnedPool(budget=64 << 10, chunk_bytes=16 << 10, pin=False)
+    with ThreadPoolExecutor(3) as ex:
+        ChunkPipeline(pool, ex, None, max_in_flight=4).run([chunk], STOP)
+    assert torch.equal(dst, data.reshape(-1))

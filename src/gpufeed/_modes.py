@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -252,8 +253,8 @@ class SourceBatch:
             offsets, nbytes = _regions(fields, r1 - r0)
             copies = [(byte_view(out[k])[r0 * f.sample_nbytes : r1 * f.sample_nbytes], offsets[k],
                        (r1 - r0) * f.sample_nbytes) for k, f in fields.items()]
-            fills = [self._fill(offsets, r0, a, b) for a, b in self._sub(r0, r1, row_bytes, fill_bytes, threads)]
-            chunks.append(Chunk(nbytes, fills, copies))
+            pieces = self._sub(r0, r1, row_bytes, fill_bytes, threads)
+            chunks.append(Chunk(nbytes, [], copies, prepare=self._binder(offsets, r0, pieces)))
         return chunks
 
     def _sub(self, r0: int, r1: int, row_bytes: int, fill_bytes: int, threads: int) -> list[tuple[int, int]]:
@@ -261,19 +262,22 @@ class SourceBatch:
         per = max(1, min(fill_bytes // max(1, row_bytes), -(-len(self.rows) // threads)))
         return [(r0 + a, r0 + a + k) for a, k in split(r1 - r0, per)]
 
-    def _fill(self, offsets: dict[str, int], r0: int, a: int, b: int) -> Any:
-        """Read rows ``[a, b)`` into their place in a chunk buffer whose field regions start at ``offsets``."""
-        fields = self.source.fields
-        rows = self.rows[a:b]
+    def _binder(self, offsets: dict[str, int], r0: int, pieces: list[tuple[int, int]]) -> Any:
+        """Reads of rows ``[a, b)`` for each piece, into their places in a chunk buffer holding rows from
+        ``r0``, each field's region starting at ``offsets``; the views are made when the buffer is bound."""
+        fields, read = self.source.fields, self.source.read
 
-        def fill(buf: torch.Tensor) -> None:
-            views = {}
-            for k, f in fields.items():
-                base = offsets[k] + (a - r0) * f.sample_nbytes
-                views[k] = buf[base : base + (b - a) * f.sample_nbytes].view(f.dtype).view(b - a, *f.shape)
-            self.source.read(rows, views)
+        def bind(buf: torch.Tensor) -> list[Any]:
+            jobs = []
+            for a, b in pieces:
+                views = {}
+                for k, f in fields.items():
+                    base = offsets[k] + (a - r0) * f.sample_nbytes
+                    views[k] = buf[base : base + (b - a) * f.sample_nbytes].view(f.dtype).view(b - a, *f.shape)
+                jobs.append(functools.partial(read, self.rows[a:b], views))
+            return jobs
 
-        return fill
+        return bind
 
 
 class _null:
