@@ -1,0 +1,177 @@
+"""Limits: a pinned budget of zero, a batch larger than the pinned budget, a low open-files limit.
+
+The CUDA halves live in ``tests/test_cuda.py`` (``test_pinned_budget_zero_falls_back_with_one_warning``,
+``test_large_batch_bigger_than_the_pinned_budget``) and in ``test_rel_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import resource
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from _rel import OnDisk, check_epoch, checked, keep, note, open_fds
+
+from conftest import wait_no_threads
+from gpufeed import CudaPrefetcher
+from gpufeed._worker import Stopped
+from gpufeed.sources import RawSource, plan_batches
+from gpufeed.staging import ChunkPipeline, PinnedPool, plan_leaf_chunks
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["loader", "source"])
+def test_cpu_pinned_budget_zero_is_silent(mode, tmp_path):
+    """pinned_budget=0 on the CPU path (which never pins): exact batches and not a single warning."""
+    disk = OnDisk("raw", tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if mode == "source":
+            with CudaPrefetcher(disk.open(), device="cpu", batch_size=16, pinned_budget=0) as pf:
+                for epoch in range(2):
+                    check_epoch([keep(b) for b in pf], disk.data, plan_batches(disk.n, 16, epoch=epoch))
+                assert pf._pool.allocated == 0
+        else:
+            data = [{"x": torch.randn(64, 8), "i": i} for i in range(20)]
+            with CudaPrefetcher(data, device="cpu", pinned_budget=0) as pf:
+                got = [keep({"x": b["x"]}) for b in pf]
+            assert all(torch.equal(g["x"], d["x"]) for g, d in zip(got, data, strict=True))
+            checked(len(got))
+            assert pf._pool.allocated == 0
+    assert [str(w.message) for w in caught] == []
+    wait_no_threads()
+    note("exact batches, no warning, no pool memory")
+
+
+STOP = threading.Event()
+
+
+@pytest.mark.timeout(30)
+def test_pool_serves_a_request_larger_than_its_budget():
+    """PinnedPool (pin=False): a request 16x its budget is served by one buffer; while that buffer is out
+    a second request waits (bounded by its stop flag) and gets it once it is released."""
+    budget, chunk = 64 << 10, 16 << 10
+    pool = PinnedPool(budget, chunk, pin=False)
+    big = pool.acquire(1 << 20, STOP)
+    assert big.nbytes >= 1 << 20 and pool.allocated == big.nbytes > budget
+    assert pool.try_acquire(1000) is None  # over budget: nothing more is allocated
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    with pytest.raises(Stopped):
+        pool.acquire(1000, stop)  # waits, and gives up when told to stop
+    threading.Timer(0.1, pool.release, args=(big, None)).start()
+    t0 = time.monotonic()
+    again = pool.acquire(1000, STOP)  # served by the big buffer once it comes back
+    waited = time.monotonic() - t0
+    assert again is big and pool.allocations == 1
+    pool.release(again, None)
+    small = pool.acquire(2 << 20, STOP)  # bigger still: the free, too-small buffer is dropped first
+    assert small.nbytes >= 2 << 20 and pool.allocated == small.nbytes and pool.allocations == 2
+    pool.release(small, None)
+    pool.clear()
+    assert pool.allocated == 0
+    note(f"served by one oversized buffer; the next request waited {waited:.2f} s for it; cleared to 0")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("budget", [0, 4096, 64 << 10])
+def test_pipeline_stages_chunks_larger_than_the_budget(budget):
+    """The chunk pipeline (host memory for pinned) moves a 3 MiB tensor in 1 MiB chunks through a pool
+    of 0, 4 KiB or 64 KiB: every byte arrives, the pool holds one chunk at most."""
+    src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    pool = PinnedPool(budget, 1 << 20, pin=False)
+    with ThreadPoolExecutor(4) as ex:
+        ChunkPipeline(pool, ex, None, max_in_flight=8).run(plan_leaf_chunks(src, dst, 1 << 20), STOP)
+    assert torch.equal(src, dst)
+    assert pool.allocated <= max(budget, 1 << 20)
+    checked(1, 0, src.numel())
+    note("every byte staged; the pool never above max(budget, one chunk)")
+
+
+# -- a low open-files limit --------------------------------------------------------------------------
+
+def _in_child(fn, timeout=60.0):
+    """Run ``fn`` in a forked child (its limits do not touch pytest); returns what it returned (JSON)."""
+    r, w = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            os.write(w, json.dumps(fn()).encode())
+        except BaseException as exc:
+            os.write(w, json.dumps({"child error": repr(exc)}).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    deadline = time.monotonic() + timeout
+    chunks = []
+    os.set_blocking(r, False)
+    while True:
+        try:
+            chunk = os.read(r, 65536)
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                raise AssertionError("the child hung") from None
+            time.sleep(0.01)
+            continue
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(r)
+    os.waitpid(pid, 0)
+    return json.loads(b"".join(chunks))
+
+
+@pytest.mark.timeout(60)
+def test_low_open_files_limit_multi_file_raw_source(tmp_path):
+    """RLIMIT_NOFILE lowered below what a 64-file RawSource needs: the error reaches the consumer as
+    OSError(EMFILE) naming a file, no hang; once the limit is raised the same source reads again."""
+    paths = []
+    for i in range(64):
+        paths.append(tmp_path / f"part{i:02d}.npy")
+        np.save(paths[-1], np.full((4, 8), i, dtype=np.int32))
+
+    def child():
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(open_fds()) + 24, hard))
+        src = RawSource(paths)  # opens files one at a time to read headers: fits
+        result = {}
+        try:
+            with CudaPrefetcher(src, device="cpu", batch_size=32) as pf:
+                for _ in pf:
+                    pass
+            result["error"] = None
+        except OSError as exc:
+            result.update(error=type(exc).__name__, errno=exc.errno, message=str(exc))
+        t0 = time.monotonic()
+        while [t for t in threading.enumerate() if t.name.startswith("gpufeed")]:
+            if time.monotonic() - t0 > 5:
+                result["threads"] = "alive"
+                break
+            time.sleep(0.01)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        with CudaPrefetcher(src, device="cpu", batch_size=32) as pf:
+            values = torch.cat([b["x"][:, 0] for b in pf]).tolist()
+        result["after"] = values == [i for i in range(64) for _ in range(4)]
+        return result
+
+    res = _in_child(child)
+    assert res.get("error") == "OSError" and res["errno"] == errno.EMFILE, res
+    assert "Too many open files" in res["message"] and str(tmp_path) in res["message"], res
+    assert "threads" not in res and res["after"] is True, res
+    checked(8)
+    note(f"OSError(EMFILE) in the consumer: '{res['message'].replace(str(tmp_path), '<dir>')}' (names the "
+         "file, no hint to raise the limit); reads again once the limit is raised")
