@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import functools
-import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-from gpufeed._copier import Copier, Delivered, WithState
-from gpufeed.staging import Chunk, byte_view, split
+from gpufeed._copier import WithState
+from gpufeed._source_batch import _Chain
 
 
 def make_mode(source: Any, pf: Any, **kw: Any) -> Any:
@@ -162,9 +160,12 @@ class SourceMode:
         return epoch, start
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[WithState]:
-        plan = self._plan(epoch)
-        for i in range(start, len(plan)):
-            yield WithState(SourceBatch(self.source, plan[i]), {"epoch": epoch, "batch": i + 1})
+        chain = _Chain(self.source, self._plan(epoch))
+        try:
+            for i in range(start, len(chain.plan)):
+                yield WithState(chain.get(i), {"epoch": epoch, "batch": i + 1})
+        finally:  # stopped, failed or done: reads already started for a batch never delivered end here
+            chain.cancel()
 
     def close(self) -> None:
         close = getattr(self.source, "close", None)
@@ -173,18 +174,6 @@ class SourceMode:
 
 
 STATE_VERSION = 1
-_ALIGN = 64  # each field's region in a staging buffer starts on a cache line (and any dtype's alignment)
-
-
-def _regions(fields: Any, nrows: int) -> tuple[dict[str, int], int]:
-    """Byte offsets of each field's ``nrows`` rows inside one staging buffer, and the buffer's size."""
-    offsets, off = {}, 0
-    for k, f in fields.items():
-        offsets[k] = off
-        off += -(-(nrows * f.sample_nbytes) // _ALIGN) * _ALIGN
-    return offsets, off
-
-
 def _check_state(state: Any, mode: str) -> None:
     if not isinstance(state, dict) or "gpufeed" not in state:
         raise ValueError(f"not a gpufeed state_dict: expected a dict from CudaPrefetcher.state_dict(), got "
@@ -198,91 +187,3 @@ def _check_state(state: Any, mode: str) -> None:
 
 def _dist_ready() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-class SourceBatch:
-    """One batch of a BatchSource: which rows; the copier calls :meth:`gpufeed_read` to read them."""
-
-    def __init__(self, source: Any, rows: Any) -> None:
-        self.source = source
-        self.rows = rows
-
-    def gpufeed_read(self, copier: Copier, stop: threading.Event) -> Delivered:
-        fields = self.source.fields
-        n = len(self.rows)
-        dev = copier.device if copier.stream is not None else torch.device("cpu")
-        reads_to = getattr(self.source, "reads_to", "host")
-        nbytes = n * sum(f.sample_nbytes for f in fields.values())
-        with torch.cuda.stream(copier.stream) if copier.stream is not None else _null():
-            start = copier._begin() if copier.stream is not None else None
-            out = {k: torch.empty((n, *f.shape), dtype=f.dtype, device=dev) for k, f in fields.items()}
-            if dev.type == "cpu" or reads_to == "device":
-                if dev.type == "cuda":
-                    copier.stream.synchronize()  # fence: no queued copy-stream work still touches these blocks
-                self._read_direct(copier, out, stop)
-            else:
-                copier.pipeline.run(self._chunks(out, copier.pool.chunk_bytes, copier.pool.fill_bytes,
-                                                 copier.pipeline.threads), stop)
-            batch: Any = out
-            if copier.transform is not None:
-                batch = copier.transform(batch)
-            fresh = [t for t in (batch.values() if isinstance(batch, dict) else []) if t.device == dev]
-            event = copier._end(start, []) if start is not None else None
-        copier.stats.add(bytes=nbytes)
-        return Delivered(batch, event, fresh)
-
-    def _row_pieces(self, row_bytes: int, piece_bytes: int) -> list[tuple[int, int]]:
-        per = max(1, piece_bytes // max(1, row_bytes))
-        return [(a, a + k) for a, k in split(len(self.rows), per)]
-
-    def _read_direct(self, copier: Copier, out: dict[str, torch.Tensor], stop: threading.Event) -> None:
-        row_bytes = sum(t[0].numel() * t.element_size() for t in out.values()) if len(self.rows) else 1
-        threads = copier.pipeline.threads
-        per = max(1, min(copier.pool.fill_bytes // max(1, row_bytes), -(-len(self.rows) // threads)))
-        pieces = [(a, a + k) for a, k in split(len(self.rows), per)]
-        futs = [copier.pipeline.executor.submit(self.source.read, self.rows[a:b],
-                                                {k: t[a:b] for k, t in out.items()}) for a, b in pieces]
-        for f in futs:
-            f.result()
-
-    def _chunks(self, out: dict[str, torch.Tensor], chunk_bytes: int, fill_bytes: int, threads: int) -> list[Chunk]:
-        fields = self.source.fields
-        row_bytes = sum(f.sample_nbytes for f in fields.values())
-        chunks = []
-        for r0, r1 in self._row_pieces(row_bytes, chunk_bytes):
-            offsets, nbytes = _regions(fields, r1 - r0)
-            copies = [(byte_view(out[k])[r0 * f.sample_nbytes : r1 * f.sample_nbytes], offsets[k],
-                       (r1 - r0) * f.sample_nbytes) for k, f in fields.items()]
-            pieces = self._sub(r0, r1, row_bytes, fill_bytes, threads)
-            chunks.append(Chunk(nbytes, [], copies, prepare=self._binder(offsets, r0, pieces)))
-        return chunks
-
-    def _sub(self, r0: int, r1: int, row_bytes: int, fill_bytes: int, threads: int) -> list[tuple[int, int]]:
-        # At least one read per worker thread for the batch, so every thread reads (like a 16-thread pread).
-        per = max(1, min(fill_bytes // max(1, row_bytes), -(-len(self.rows) // threads)))
-        return [(r0 + a, r0 + a + k) for a, k in split(r1 - r0, per)]
-
-    def _binder(self, offsets: dict[str, int], r0: int, pieces: list[tuple[int, int]]) -> Any:
-        """Reads of rows ``[a, b)`` for each piece, into their places in a chunk buffer holding rows from
-        ``r0``, each field's region starting at ``offsets``; the views are made when the buffer is bound."""
-        fields, read = self.source.fields, self.source.read
-
-        def bind(buf: torch.Tensor) -> list[Any]:
-            jobs = []
-            for a, b in pieces:
-                views = {}
-                for k, f in fields.items():
-                    base = offsets[k] + (a - r0) * f.sample_nbytes
-                    views[k] = buf[base : base + (b - a) * f.sample_nbytes].view(f.dtype).view(b - a, *f.shape)
-                jobs.append(functools.partial(read, self.rows[a:b], views))
-            return jobs
-
-        return bind
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: object) -> None:
-        return None

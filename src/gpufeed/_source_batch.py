@@ -1,0 +1,202 @@
+"""Reading one batch of a BatchSource into gpufeed's buffers, with the next batch's reads started early.
+
+A batch is planned as *chunks* (rows ``[r0, r1)`` of every field, staged through one pinned buffer, each
+field's region cache-line aligned) and each chunk as *pieces* (rows ``[a, b)``: one ``source.read`` on a
+worker thread). :meth:`SourceBatch.start` takes pinned buffers, binds every piece to its views and
+submits the reads; :meth:`SourceBatch.gpufeed_read` waits for them chunk by chunk and copies each chunk to
+the device on the copy stream. Once a batch has all its reads submitted it starts its successor's, so the
+readers never idle while the background thread finishes a batch (measured on an H200 machine: the gap
+between batches, about 1 ms of a 4 ms batch, was a third of the time).
+
+Invariants: a batch starts its successor only after all of its own chunks hold buffers, and a start
+that finds the pool empty stops (it never blocks), so a successor can never hold buffers the current
+batch is waiting for. At most one batch is read ahead into pinned memory beyond ``depth``.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import threading
+from typing import Any
+
+import torch
+
+from gpufeed._copier import Copier, Delivered
+from gpufeed.staging import _result, _traced, byte_view, split
+
+_ALIGN = 64  # each field's region in a staging buffer starts on a cache line (and any dtype's alignment)
+
+
+def regions(fields: Any, nrows: int) -> tuple[dict[str, int], int]:
+    """Byte offsets of each field's ``nrows`` rows inside one staging buffer, and the buffer's size."""
+    offsets, off = {}, 0
+    for k, f in fields.items():
+        offsets[k] = off
+        off += -(-(nrows * f.sample_nbytes) // _ALIGN) * _ALIGN
+    return offsets, off
+
+
+class _Chain:
+    """Creates the SourceBatch objects of one epoch on demand, so a batch can reach its successor."""
+
+    def __init__(self, source: Any, plan: list[Any]) -> None:
+        self.source, self.plan = source, plan
+        self._made: dict[int, SourceBatch] = {}
+
+    def get(self, i: int) -> SourceBatch | None:
+        if i >= len(self.plan):
+            return None
+        if i not in self._made:
+            self._made = {k: v for k, v in self._made.items() if k >= i - 1}  # keep the last two at most
+            self._made[i] = SourceBatch(self.source, self.plan[i], self, i)
+        return self._made[i]
+
+    def cancel(self) -> None:
+        for b in self._made.values():
+            b.cancel()
+
+
+class SourceBatch:
+    """One batch of a BatchSource; the copier calls :meth:`gpufeed_read` to read it to the device."""
+
+    def __init__(self, source: Any, rows: Any, chain: _Chain | None = None, index: int = 0) -> None:
+        self.source, self.rows, self.chain, self.index = source, rows, chain, index
+        self._plan: list[tuple[int, int, dict[str, int], int, list[tuple[int, int]]]] | None = None
+        self._next = 0  # chunks of the plan that have a buffer and submitted reads
+        self._entries: collections.deque[tuple[Any, Any, list[Any]]] = collections.deque()
+        self._copier: Copier | None = None
+
+    # -- reads -------------------------------------------------------------------------------------
+
+    def start(self, copier: Copier, stop: threading.Event, block: bool = False) -> bool:
+        """Submit the reads of every chunk a buffer is free for; True when every chunk is submitted."""
+        self._copier = copier
+        if self._plan is None:
+            self._plan = self._make_plan(copier)
+        pool, executor = copier.pool, copier.pipeline.executor
+        while self._next < len(self._plan):
+            r0, _, offsets, nbytes, pieces = self._plan[self._next]
+            buf = pool.acquire(nbytes, stop) if block and not self._entries else pool.try_acquire(nbytes)
+            if buf is None:
+                return False
+            jobs = self._bind(buf.tensor, offsets, r0, pieces)  # every view made before any read starts
+            if copier.pipeline.trace is not None:
+                jobs = [_traced(copier.pipeline.trace, j) for j in jobs]
+            self._entries.append((self._plan[self._next], buf, [executor.submit(j) for j in jobs]))
+            self._next += 1
+        return True
+
+    def gpufeed_read(self, copier: Copier, stop: threading.Event) -> Delivered:
+        fields = self.source.fields
+        n = len(self.rows)
+        host = copier.stream is None or getattr(self.source, "reads_to", "host") == "device"
+        dev = copier.device if copier.stream is not None else torch.device("cpu")
+        with torch.cuda.stream(copier.stream) if copier.stream is not None else _Null():
+            start = copier._begin() if copier.stream is not None else None
+            out = {k: torch.empty((n, *f.shape), dtype=f.dtype, device=dev) for k, f in fields.items()}
+            if host:  # the CPU path, or a source that reads straight into device memory (GDS)
+                if dev.type == "cuda":
+                    copier.stream.synchronize()  # fence: no queued copy-stream work touches these blocks
+                self._read_direct(copier, out, stop)
+            else:
+                self._read_staged(copier, out, stop)
+            batch: Any = out
+            if copier.transform is not None:
+                batch = copier.transform(batch)
+            fresh = [t for t in (batch.values() if isinstance(batch, dict) else []) if t.device == dev]
+            event = copier._end(start, []) if start is not None else None
+        copier.stats.add(bytes=n * sum(f.sample_nbytes for f in fields.values()))
+        return Delivered(batch, event, fresh)
+
+    def _read_staged(self, copier: Copier, out: dict[str, torch.Tensor], stop: threading.Event) -> None:
+        started = self.start(copier, stop, block=True)
+        succ = self.chain.get(self.index + 1) if self.chain is not None else None
+        if started and succ is not None:
+            succ.start(copier, stop)  # the successor's reads run while this batch finishes
+        fields = self.source.fields
+        while self._entries or self._next < len(self._plan or ()):
+            if not self._entries:
+                self.start(copier, stop, block=True)
+            (r0, r1, offsets, _, _), buf, futs = self._entries.popleft()
+            try:
+                for fut in futs:
+                    _result(fut, stop)
+            except BaseException:
+                self._finish(futs)
+                copier.pool.release(buf, None)
+                raise
+            for k, f in fields.items():
+                m = (r1 - r0) * f.sample_nbytes
+                byte_view(out[k])[r0 * f.sample_nbytes : r1 * f.sample_nbytes].copy_(
+                    buf.tensor[offsets[k] : offsets[k] + m], non_blocking=True)
+            copier.pool.release(buf, copier.stream)
+            if self._next < len(self._plan or ()):
+                self.start(copier, stop)  # a chunk's buffer came back: top up this batch's reads
+
+    def _read_direct(self, copier: Copier, out: dict[str, torch.Tensor], stop: threading.Event) -> None:
+        pieces = self._pieces(0, len(self.rows), self._row_bytes(), copier)
+        futs = [copier.pipeline.executor.submit(self.source.read, self.rows[a:b],
+                                                {k: t[a:b] for k, t in out.items()}) for a, b in pieces]
+        try:
+            for f in futs:
+                _result(f, stop)
+        except BaseException:
+            self._finish(futs)
+            raise
+
+    # -- planning ----------------------------------------------------------------------------------
+
+    def _row_bytes(self) -> int:
+        return max(1, sum(f.sample_nbytes for f in self.source.fields.values()))
+
+    def _pieces(self, r0: int, r1: int, row_bytes: int, copier: Copier) -> list[tuple[int, int]]:
+        # At least one read per worker thread for the batch, so every thread reads (like a 16-thread pread).
+        per_thread = -(-len(self.rows) // copier.pipeline.threads)
+        per = max(1, min(copier.pool.fill_bytes // row_bytes, per_thread))
+        return [(r0 + a, r0 + a + k) for a, k in split(r1 - r0, per)]
+
+    def _make_plan(self, copier: Copier) -> list[Any]:
+        row_bytes = self._row_bytes()
+        per_chunk = max(1, copier.pool.chunk_bytes // row_bytes)
+        plan = []
+        for r0, k in split(len(self.rows), per_chunk):
+            offsets, nbytes = regions(self.source.fields, k)
+            plan.append((r0, r0 + k, offsets, nbytes, self._pieces(r0, r0 + k, row_bytes, copier)))
+        return plan
+
+    def _bind(self, buf: torch.Tensor, offsets: dict[str, int], r0: int,
+              pieces: list[tuple[int, int]]) -> list[Any]:
+        fields, read, jobs = self.source.fields, self.source.read, []
+        for a, b in pieces:
+            views = {}
+            for k, f in fields.items():
+                base = offsets[k] + (a - r0) * f.sample_nbytes
+                views[k] = buf[base : base + (b - a) * f.sample_nbytes].view(f.dtype).view(b - a, *f.shape)
+            jobs.append(functools.partial(read, self.rows[a:b], views))
+        return jobs
+
+    # -- shutdown ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _finish(futs: list[Any]) -> None:
+        for fut in futs:
+            fut.cancel()
+        for fut in futs:
+            _result(fut, None, swallow=True)
+
+    def cancel(self) -> None:
+        """Let submitted reads end and return their buffers (an epoch stopped or failed)."""
+        while self._entries:
+            _, buf, futs = self._entries.popleft()
+            self._finish(futs)
+            if self._copier is not None:
+                self._copier.pool.release(buf, None)
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None

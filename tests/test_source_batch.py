@@ -1,0 +1,66 @@
+"""The staged read of source batches (the CUDA path's host half), driven on the CPU with plain memory."""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from gpufeed._source_batch import _Chain, regions
+from gpufeed.sources import plan_batches
+from gpufeed.staging import PinnedPool
+from test_source_mode import ArraySource, OddSource
+
+STOP = threading.Event()
+
+
+def fake_copier(budget, chunk_bytes, threads=3):
+    pool = PinnedPool(budget=budget, chunk_bytes=chunk_bytes, pin=False)
+    ex = ThreadPoolExecutor(threads)
+    pipeline = SimpleNamespace(executor=ex, threads=threads, trace=None)
+    return SimpleNamespace(pool=pool, pipeline=pipeline, stream=None), ex
+
+
+@pytest.mark.parametrize("budget", [4096, 8192, 1 << 20])  # from one buffer at a time to everything at once
+@pytest.mark.parametrize("src_cls", [ArraySource, OddSource])
+def test_staged_reads_deliver_every_byte_and_return_every_buffer(budget, src_cls):
+    src = src_cls()
+    plan = plan_batches(len(src), 17, shuffle=True, seed=1)
+    copier, ex = fake_copier(budget, 4096)
+    chain = _Chain(src, plan)
+    try:
+        for i in range(len(plan)):
+            b = chain.get(i)
+            out = {k: torch.empty((len(b.rows), *f.shape), dtype=f.dtype) for k, f in src.fields.items()}
+            b._read_staged(copier, out, STOP)
+            idx = np.asarray(b.rows) if not isinstance(b.rows, range) else np.arange(b.rows.start, b.rows.stop)
+            for k, a in src.arrays.items():
+                assert np.array_equal(out[k].numpy(), a[idx]), (i, k)
+        chain.cancel()
+        assert len(copier.pool._free) == copier.pool.allocations  # nothing left taken
+        assert copier.pool.allocated <= max(budget, 4096 * 2)
+    finally:
+        ex.shutdown()
+
+
+def test_a_successor_started_then_abandoned_returns_its_buffers():
+    src = ArraySource()
+    copier, ex = fake_copier(1 << 20, 4096)
+    chain = _Chain(src, plan_batches(len(src), 10))
+    b0 = chain.get(0)
+    out = {k: torch.empty((10, *f.shape), dtype=f.dtype) for k, f in src.fields.items()}
+    b0._read_staged(copier, out, STOP)
+    assert chain.get(1)._entries  # its reads were started ahead
+    chain.cancel()
+    assert not chain.get(1)._entries
+    assert len(copier.pool._free) == copier.pool.allocations
+    ex.shutdown()
+
+
+def test_regions_are_aligned_for_every_dtype():
+    src = OddSource()
+    offsets, nbytes = regions(src.fields, 7)
+    assert all(o % 64 == 0 for o in offsets.values())
+    assert nbytes >= sum(7 * f.sample_nbytes for f in src.fields.values())
