@@ -304,52 +304,53 @@ class _NoClose:
         pass
 
 
-# -- the chunk pipeline that feeds the GPU, driven on the CPU -------------------------------------
+# -- the staging path that feeds the GPU, driven on the CPU ---------------------------------------
 
-def _plan_chunks(sb, out, chunk_bytes, fill_bytes, threads):
-    """``SourceBatch._chunks`` (private: how the CUDA path stages a source batch), whatever arguments of
-    these names its current version takes."""
-    import inspect
+def staged_epoch(src, plan, budget, chunk, threads, stop):
+    """Read an epoch through source mode's staging path (private: ``_source_batch``): chunks through the
+    pinned pool (host memory here), reads on worker threads, each batch starting its successor's reads.
+    On the GPU machine this path runs for real; here it runs with ``stream=None``."""
+    from gpufeed._copier import Copier
+    from gpufeed._source_batch import _Chain
+    from gpufeed.staging import ChunkPipeline, PinnedPool
+    from gpufeed.stats import PrefetchStats
 
-    have = {"out": out, "chunk_bytes": chunk_bytes, "fill_bytes": fill_bytes, "threads": threads}
-    params = list(inspect.signature(sb._chunks).parameters)
-    return sb._chunks(**{p: have[p] for p in params})
+    pool = PinnedPool(budget, chunk, pin=False)
+    with ThreadPoolExecutor(threads) as ex:
+        copier = Copier(torch.device("cpu"), None, ChunkPipeline(pool, ex, None, 2 * threads), pool,
+                        PrefetchStats(), None)
+        chain = _Chain(src, plan)
+        for i in range(len(plan)):
+            batch = chain.get(i)
+            out = {k: torch.empty((len(batch.rows), *f.shape), dtype=f.dtype) for k, f in src.fields.items()}
+            batch._read_staged(copier, out, stop)
+            yield out
+        chain.cancel()
+    assert sum(b.nbytes for b in pool._free) == pool.allocated  # every buffer came back
+    assert pool.allocated <= max(pool.budget, max((b.nbytes for b in pool._free), default=0))
 
 
 @pytest.mark.timeout(60)
 @settings(SETTINGS, max_examples=30)
-@given(n=st.integers(1, 200), fields=st.lists(field, min_size=1, max_size=3), seed=st.integers(0, 1000),
+@given(n=st.integers(1, 300), fields=st.lists(field, min_size=1, max_size=3), seed=st.integers(0, 1000),
        chunk=st.sampled_from([4096, 8192, 65536]), budget_chunks=st.integers(0, 6), threads=st.integers(1, 4),
-       batches=st.integers(5, 40))
-def test_staging_pipeline_every_byte(n, fields, seed, chunk, budget_chunks, threads, batches):
-    """The CUDA path's chunk pipeline (pinned pool, parallel fills, copies in order), with host memory
-    standing in for pinned and device memory: random fields, random rows, pool budgets down to zero."""
-    from gpufeed._modes import SourceBatch
-    from gpufeed.staging import ChunkPipeline, PinnedPool
-
-    rng = np.random.default_rng(seed)
+       bs=st.integers(1, 64), shuffle=st.sampled_from([False, True, "blocks"]))
+def test_staging_path_every_byte(n, fields, seed, chunk, budget_chunks, threads, bs, shuffle):
+    """The CUDA path's source staging (pinned pool, parallel reads, read-ahead of the next batch), with host
+    memory standing in for pinned and device memory: random fields, batches and pool budgets down to 0."""
     with tempfile.TemporaryDirectory() as tmp:
         opener, data = write_source(Path(tmp), "npy", n, fields, seed)
         src = opener()
-        pool = PinnedPool(budget_chunks * chunk, chunk, pin=False)
-        stop = threading.Event()
+        plan = plan_batches(n, bs, shuffle=shuffle, seed=seed)
         bad = nb = 0
-        with ThreadPoolExecutor(threads) as ex:
-            pipe = ChunkPipeline(pool, ex, None, max_in_flight=2 * threads)
-            for _ in range(batches):
-                k = int(rng.integers(1, n + 1))
-                rows = np.sort(rng.choice(n, size=k, replace=False)) if rng.random() < 0.5 else range(
-                    a := int(rng.integers(0, n - k + 1)), a + k)
-                out = {name: torch.empty((k, *f.shape), dtype=f.dtype) for name, f in src.fields.items()}
-                pipe.run(_plan_chunks(SourceBatch(src, rows), out, chunk, pool.fill_bytes, threads), stop)
-                r = plan_rows(rows)
-                for name, arr in data.items():
-                    got = out[name].numpy()
-                    bad += got.tobytes() != np.ascontiguousarray(arr[r]).tobytes()
-                    nb += got.nbytes
+        epoch = staged_epoch(src, plan, budget_chunks * chunk, chunk, threads, threading.Event())
+        for out, rows in zip(epoch, plan, strict=True):
+            r = plan_rows(rows)
+            for name, arr in data.items():
+                got = out[name].numpy()
+                bad += got.tobytes() != np.ascontiguousarray(arr[r]).tobytes()
+                nb += got.nbytes
         src.close()
-        checked(batches, bad, nb)
-        assert bad == 0
-        assert sum(b.nbytes for b in pool._free) == pool.allocated  # every buffer came back
-        assert pool.allocated <= max(pool.budget, max(b.nbytes for b in pool._free) if pool._free else 0)
+    checked(len(plan), bad, nb)
+    assert bad == 0
     note("every byte equal; every pool buffer back; the pool within its budget (or one oversized buffer)")

@@ -1,0 +1,76 @@
+"""A file truncated while shuffled batches are read kills the process with SIGBUS (no exception).
+
+For scattered rows (a shuffled batch: ``Runs.scattered``) RawSource/H5Source/GDSSource gather rows from
+a memory map of the file (``sources/_io.py``: ``_gather_file``). It checks the file's size and then runs
+``torch.index_select`` over the mapping; if the file shrinks between the check and the copy (or during the
+copy), touching a page past the new end raises SIGBUS and the whole training process dies: no OSError,
+no traceback, no cleanup. The ``pread`` path (contiguous batches) reports the same event as
+``OSError: short read from <file> ...``, which is what DESIGN.md promises for truncated files.
+
+Fix options: keep the mmap gather only behind an explicit opt-in for files known to be immutable, and by
+default gather scattered rows with positional reads (``os.preadv`` per run, or a native batched pread
+that releases the GIL once for all runs); there is no safe way to turn SIGBUS into an exception from
+Python.
+
+Each trial runs in a forked child: two reader threads gather shuffled rows while the main thread
+truncates the file after a random delay. Exit status: 1 if any child died of SIGBUS, 0 otherwise.
+"""
+
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+import torch
+
+from gpufeed.sources import RawSource
+
+
+def child(path: str, n: int, row: int) -> None:
+    src = RawSource(path)
+
+    def reader(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        out = {"x": torch.empty(512, row, dtype=torch.uint8)}
+        try:
+            while True:
+                src.read(np.sort(rng.choice(n, 512, replace=False)), out)
+        except OSError:
+            pass  # the clean outcome: "short read from ..."
+
+    threads = [threading.Thread(target=reader, args=(s,), daemon=True) for s in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(random.random() * 0.3 + 0.05)
+    os.truncate(path, row * (n // 2))
+    for t in threads:
+        t.join()
+    os._exit(0)
+
+
+def main() -> int:
+    n, row = 20000, 4096
+    x = np.random.default_rng(0).integers(0, 256, (n, row), dtype=np.uint8)
+    path = os.path.join(tempfile.mkdtemp(), "x.npy")
+    outcomes = {}
+    for _ in range(10):
+        np.save(path, x)
+        pid = os.fork()
+        if pid == 0:
+            child(path, n, row)
+        _, status = os.waitpid(pid, 0)
+        what = signal.Signals(os.WTERMSIG(status)).name if os.WIFSIGNALED(status) else "OSError (clean)"
+        outcomes[what] = outcomes.get(what, 0) + 1
+    print(f"10 trials: {outcomes}")
+    if outcomes.get("SIGBUS"):
+        print("BUG: a truncation during shuffled reads killed the process with SIGBUS")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

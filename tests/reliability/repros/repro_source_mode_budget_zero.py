@@ -1,0 +1,61 @@
+"""Source mode ignores ``pinned_budget=0``: it stages through a pinned buffer anyway, with no warning.
+
+``pinned_budget=0`` is documented as "disables pinned staging", and in loader mode it does (pageable
+copies, one RuntimeWarning: tests/test_cuda.py::test_pinned_budget_zero_falls_back_with_one_warning). In
+source mode ``SourceBatch._read_staged`` acquires buffers from the pool without asking
+``pool.available``, and ``PinnedPool.try_acquire`` serves a request when nothing is allocated ("a single
+request larger than the budget"), which with a budget of 0 is every request. So the pool pins memory
+(cudaHostAlloc: fails where pinning is not allowed) and says nothing.
+
+Fix: in ``SourceBatch.gpufeed_read``, when ``not copier._pinned_ok()``, read into pageable host tensors
+(``_read_direct`` into ``torch.empty(..., device="cpu")``) and copy those to the device; and let
+``PinnedPool.try_acquire`` never allocate when ``budget == 0``.
+
+The CPU half shows the pool allocating with a budget of 0; the CUDA half (GPU machine) shows the
+prefetcher's pool holding pinned memory after a source-mode epoch with ``pinned_budget=0`` and no warning.
+Exit status: 1 while the bug is present, 0 once fixed.
+"""
+
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpufeed import CudaPrefetcher
+from gpufeed.sources import RawSource
+from gpufeed.staging import PinnedPool
+
+
+def main() -> int:
+    bug = False
+    pool = PinnedPool(budget=0, chunk_bytes=4096, pin=False)
+    buf = pool.try_acquire(8192)
+    if buf is not None:
+        print(f"BUG (CPU half): PinnedPool(budget=0) allocated {pool.allocated} bytes "
+              f"(available={pool.available})")
+        bug = True
+    if torch.cuda.is_available():
+        d = Path(tempfile.mkdtemp())
+        np.save(d / "x.npy", np.zeros((256, 4096), np.uint8))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with CudaPrefetcher(RawSource(d / "x.npy"), batch_size=64, pinned_budget=0) as pf:
+                for _ in pf:
+                    pass
+                pinned = pf._pool.allocated
+        said = [w for w in caught if "pinned staging is off" in str(w.message)]
+        if pinned or len(said) != 1:
+            print(f"BUG (CUDA half): source mode with pinned_budget=0 holds {pinned} pinned bytes and warned "
+                  f"{len(said)} time(s) (expected 0 bytes and one warning)")
+            bug = True
+    else:
+        print("(no CUDA here: the CUDA half runs on the GPU machine)")
+    print("BUG present" if bug else "fixed")
+    return 1 if bug else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

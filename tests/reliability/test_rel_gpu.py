@@ -1,0 +1,270 @@
+"""The GPU part of the reliability suite (``pytest tests/reliability -m cuda`` on the GPU machine).
+
+GDSSource under fault injection and bad input; a stress run with slow consumer kernels on several
+prefetchers at once; a run under PyTorch's CUDA sanitizer; batches larger than the pinned budget in
+source mode. (Every CPU case of this suite that takes the ``device`` fixture also runs here on CUDA:
+fault injection, stress, 50-epoch memory with ``torch.cuda.memory_allocated``/``memory_reserved``, fork.)
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _rel import FaultySource, Injected, OnDisk, check_epoch, checked, keep, note
+
+from conftest import wait_no_threads
+from gpufeed import CudaPrefetcher
+from gpufeed.sources import RawSource, plan_batches
+
+pytestmark = pytest.mark.cuda
+
+HERE = Path(__file__).resolve().parent
+SLEEP = 1_000_000  # cycles of torch.cuda._sleep: about half a millisecond of a busy consumer stream
+GDS_KINDS = ["raw", "raw-multi", "manifest", "h5-contiguous", "h5-chunked"]
+
+
+def digest(t):
+    """An exact, order-sensitive checksum of a tensor's bytes, computed where the tensor lives."""
+    b = t.contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+    w = torch.arange(1, b.numel() + 1, device=b.device, dtype=torch.int64) % 1_000_003
+    return (b * w).sum()
+
+
+# -- GDSSource: faults and bad input ---------------------------------------------------------------
+
+@pytest.fixture(params=GDS_KINDS)
+def gds(request, tmp_path):
+    pytest.importorskip("kvikio")
+    if request.param not in ("raw", "raw-multi"):
+        pytest.importorskip("h5py")
+    from gpufeed.sources import GDSSource
+
+    disk = OnDisk(request.param, tmp_path)
+    return disk, lambda: GDSSource(disk.open())
+
+
+@pytest.mark.timeout(60)
+def test_gds_read_raises_mid_epoch(gds):
+    """A GDSSource read raises mid-epoch: the exception reaches the consumer after the batches before it;
+    the next epoch is complete."""
+    disk, make = gds
+    src = FaultySource(make(), fail_row=5 * 16 + 3)
+    got = []
+    with CudaPrefetcher(src, batch_size=16, depth=3) as pf:
+        with pytest.raises(Injected):
+            for b in pf:
+                got.append(keep(b))
+        check_epoch(got, disk.data, plan_batches(disk.n, 16)[:5])
+        check_epoch([keep(b) for b in pf], disk.data, plan_batches(disk.n, 16, epoch=1))
+    wait_no_threads()
+    note(f"{src.inner.mode} mode: the exception after the 5 batches before it; next epoch complete")
+
+
+@pytest.mark.timeout(60)
+def test_gds_file_truncated_mid_epoch(gds):
+    """A file under a GDSSource is truncated mid-epoch: an error (not short data) reaches the consumer."""
+    disk, make = gds
+    src = make()
+    got = []
+    with CudaPrefetcher(src, batch_size=16, depth=2) as pf:
+        it = iter(pf)
+        got += [keep(next(it)) for _ in range(2)]
+        os.truncate(disk.late_file, os.path.getsize(disk.late_file) // 2)
+        with pytest.raises((OSError, RuntimeError)) as info:
+            for b in it:
+                got.append(keep(b))
+        check_epoch(got, disk.data, plan_batches(disk.n, 16), complete=False)
+        assert len(got) < 15
+    wait_no_threads()
+    named = str(disk.late_file) in str(info.value)
+    note(f"{src.mode} mode: {type(info.value).__name__} after an exact prefix; names the file: {named}")
+
+
+@pytest.mark.timeout(60)
+def test_gds_file_deleted_mid_epoch(gds):
+    """A file under a GDSSource is deleted mid-epoch: the open handle keeps it; the epoch is exact."""
+    disk, make = gds
+    with CudaPrefetcher(make(), batch_size=16, depth=2) as pf:
+        it = iter(pf)
+        got = [keep(next(it))]
+        os.remove(disk.early_file)
+        got += [keep(b) for b in it]
+        check_epoch(got, disk.data, plan_batches(disk.n, 16))
+    wait_no_threads()
+    note("the epoch completes with exact bytes")
+
+
+@pytest.mark.timeout(60)
+def test_gds_ctrl_c_during_next(gds):
+    """SIGINT while the consumer waits on a slow GDSSource read: KeyboardInterrupt, the thread stops, the
+    next epoch is complete."""
+    import _thread
+
+    disk, make = gds
+    src = FaultySource(make(), block_row=3 * 16, block_s=0.6)
+    with CudaPrefetcher(src, batch_size=16, depth=2) as pf:
+        it = iter(pf)
+        [next(it) for _ in range(3)]
+        timer = threading.Timer(0.15, _thread.interrupt_main)
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                next(it)
+        finally:
+            timer.join()
+        del it
+        src.block_row = None
+        check_epoch([keep(b) for b in pf], disk.data, plan_batches(disk.n, 16, epoch=1))
+    wait_no_threads()
+    note("KeyboardInterrupt; thread stopped; next epoch complete")
+
+
+@pytest.mark.timeout(60)
+def test_gds_bad_input(tmp_path):
+    """GDSSource over what it cannot read by offset (gzip HDF5), a missing file, rows out of range."""
+    pytest.importorskip("kvikio")
+    h5py = pytest.importorskip("h5py")
+    from gpufeed.sources import GDSSource
+
+    with h5py.File(tmp_path / "z.h5", "w") as f:
+        f.create_dataset("x", data=np.zeros((40, 6), np.float32), chunks=(4, 6), compression="gzip")
+    fix = r"z\.h5 cannot be read by byte offset.*use H5Source.*convert_h5_to_raw"
+    with pytest.raises(ValueError, match=fix):
+        GDSSource(tmp_path / "z.h5", fields=["x"])
+    with pytest.raises(FileNotFoundError, match=r"nope\.npy"):
+        GDSSource(tmp_path / "nope.npy")
+    np.save(tmp_path / "x.npy", np.zeros((40, 6), np.float32))
+    src = GDSSource(tmp_path / "x.npy")
+    dev = "cuda" if src.reads_to == "device" else "cpu"
+    with pytest.raises(IndexError, match=r"GDSSource\(x\.npy\): row 40 is out of range for 40 samples"):
+        src.read(np.array([3, 40]), {"x": torch.empty(2, 6, device=dev)})
+    src.close()
+    note("ValueError naming the file and the fix; FileNotFoundError naming the file; IndexError naming it")
+
+
+# -- stress with slow consumer kernels -------------------------------------------------------------
+
+DTYPES = [torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32,
+          torch.float64, torch.bool]
+
+
+def random_batch(rng, g):
+    """A dict/list/tuple batch of random dtypes and shapes; host pageable, host pinned or already on CUDA."""
+    def leaf():
+        dtype = rng.choice(DTYPES)
+        shape = tuple(rng.randint(0, 40) for _ in range(rng.randint(1, 3)))
+        if dtype is torch.bool:
+            t = torch.randint(0, 2, shape, generator=g).bool()
+        else:
+            n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+            t = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).view(dtype).view(shape)
+        where = rng.random()
+        if t.dim() >= 2 and rng.random() < 0.2:
+            t = t.transpose(0, 1)
+        if where < 0.2:
+            return t.pin_memory()
+        if where < 0.3:
+            return t.cuda()
+        return t
+    return {"a": leaf(), "b": [leaf(), (leaf(), leaf())], "c": {"d": leaf()}}
+
+
+def leaves(batch):
+    return [batch["a"], batch["b"][0], batch["b"][1][0], batch["b"][1][1], batch["c"]["d"]]
+
+
+@pytest.mark.timeout(300)
+def test_stress_slow_consumer_kernels_many_prefetchers():
+    """3 prefetchers at once (one thread and one side stream each), 2 epochs of 150 random batches,
+    depth 1..4, a consumer kernel (torch.cuda._sleep) before reading each batch, digests on the GPU."""
+    errors, counted = [], []
+
+    def run(k):
+        try:
+            rng, g = random.Random(k), torch.Generator().manual_seed(k)
+            data = [random_batch(rng, g) for _ in range(150)]
+            want = [[int(digest(t.cpu())) for t in leaves(b)] for b in data]
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream), CudaPrefetcher(data, depth=1 + k % 4, chunk_bytes=64 << 10) as pf:
+                for _ in range(2):
+                    got = []
+                    for b in pf:
+                        torch.cuda._sleep(SLEEP * rng.randint(0, 2))
+                        got.append(torch.stack([digest(t) for t in leaves(b)]))
+                        del b  # freed at once: the allocator must not reuse it under the digest kernels
+                    got = [g.tolist() for g in got]
+                    bad = sum(a != b for a, b in zip(got, want, strict=True))
+                    counted.append((len(got), bad))
+                    if bad:
+                        errors.append(f"prefetcher {k}: {bad} batches differ")
+        except BaseException as exc:
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert not any(t.is_alive() for t in threads)
+    checked(sum(c[0] for c in counted), sum(c[1] for c in counted))
+    assert not errors, errors
+    note("every digest equal under slow consumer kernels, 3 prefetchers and side streams at once")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["raw", "h5-chunked", "h5-gzip"])
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_stress_source_slow_consumer(kind, depth, tmp_path):
+    """A source through the pinned staging ring under a slow consumer: shuffled, 3 epochs, exact."""
+    if kind != "raw":
+        pytest.importorskip("h5py")
+    disk = OnDisk(kind, tmp_path, n=960)
+    with CudaPrefetcher(disk.open(), batch_size=32, shuffle=True, depth=depth, chunk_bytes=4096) as pf:
+        for epoch in range(3):
+            got = []
+            for b in pf:
+                torch.cuda._sleep(SLEEP)
+                got.append(keep(b))
+            check_epoch(got, disk.data, plan_batches(disk.n, 32, shuffle=True, epoch=epoch))
+    wait_no_threads()
+    note("every byte equal under a slow consumer, 3 shuffled epochs")
+
+
+@pytest.mark.timeout(600)
+def test_cuda_sanitizer_reports_no_race():
+    """The hand-over under TORCH_CUDA_SANITIZER=1 (in a subprocess): no "CSAN detected a possible data
+    race" on stderr, and the workload's own checks pass."""
+    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
+    proc = subprocess.run([sys.executable, str(HERE / "_rel_csan_workload.py")], capture_output=True,
+                          text=True, timeout=540, env=env)
+    assert "CSAN detected a possible data race" not in proc.stderr, proc.stderr[-8000:]
+    assert proc.returncode == 0 and "CSAN OK" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-8000:]
+    note("no race reported by CSAN; the workload's checks pass")
+
+
+# -- limits ------------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("row_mib", [1, 4])
+def test_source_batch_larger_than_the_pinned_budget(row_mib, tmp_path):
+    """Source mode with a 2 MiB pinned budget: 8 MiB batches of 1 MiB rows, and rows of 4 MiB (one row
+    larger than the whole budget). Exact bytes; the pool stays within max(budget, one row).
+    (The loader-mode case is tests/test_cuda.py::test_large_batch_bigger_than_the_pinned_budget.)"""
+    row = row_mib << 20
+    x = np.random.default_rng(row_mib).integers(0, 256, (24, row), dtype=np.uint8)
+    np.save(tmp_path / "x.npy", x)
+    with CudaPrefetcher(RawSource(tmp_path / "x.npy"), batch_size=8 // row_mib or 1, depth=2,
+                        pinned_budget=2 << 20, chunk_bytes=1 << 20) as pf:
+        got = [b["x"].cpu() for b in pf]
+        assert pf._pool.allocated <= max(2 << 20, row + (1 << 20))  # one chunk of slack: alignment
+    assert torch.equal(torch.cat(got), torch.from_numpy(x))
+    checked(len(got), 0, x.nbytes)
+    note(f"exact; pool at most max(2 MiB budget, one {row_mib} MiB row + a chunk)")
