@@ -10,3 +10,7 @@ timeout 150 python3 benchmarks/bench_prefetcher.py --out "$out" > "$out/bench-pr
 timeout 200 python3 benchmarks/bench_sources.py --out "$out" > "$out/bench-sources.log" 2>&1; tail -6 "$out/bench-sources.log"
 timeout 200 python3 benchmarks/bench_tabpfn.py --out "$out" > "$out/bench-tabpfn.log" 2>&1; tail -14 "$out/bench-tabpfn.log"
 (cd /tmp && timeout 120 python3 -m gpufeed.cli bench --out "$out/cli-bench" > "$out/cli-bench.log" 2>&1); tail -9 "$out/cli-bench.log"
+# The device tool returns at most 8 files: pack everything into one archive beside the folder.
+if [ "${2:-}" = "--pack" ]; then
+  tar -C "$(dirname "$out")" -cf "$out.tar" "$(basename "$out")" && rm -rf "$out"
+fi
