@@ -73,7 +73,7 @@ def fresh_batches(n, rows=4096, seed=0):
 @pytest.mark.timeout(90)
 def test_loader_50_epochs_flat(device):
     """50 epochs of a loader with fresh tensors: RSS, objects, pool, threads, fds (and CUDA memory) flat."""
-    loader = fresh_batches(12)
+    loader = fresh_batches(8)
     with CudaPrefetcher(loader, device=device, depth=3, chunk_bytes=256 << 10, pinned_budget=2 * MiB) as pf:
         marks = Marks(pf, device)
         expected = [b["x"].sum().item() for b in loader()]
@@ -96,11 +96,11 @@ def test_source_50_epochs_flat(kind, device, tmp_path):
     _needs(kind)
     disk = OnDisk(kind, tmp_path)
     shuffle = "blocks" if kind == "h5-gzip" else True  # random rows through h5py cost 10 ms a batch
-    with CudaPrefetcher(disk.open(), device=device, batch_size=16, shuffle=shuffle, depth=2) as pf:
+    with CudaPrefetcher(disk.open(), device=device, batch_size=40, shuffle=shuffle, depth=2) as pf:
         marks = Marks(pf, device)
         for epoch in range(EPOCHS):
             got = [keep(b) for b in pf]
-            check_epoch(got, disk.data, plan_batches(disk.n, 16, shuffle=shuffle, epoch=epoch))
+            check_epoch(got, disk.data, plan_batches(disk.n, 40, shuffle=shuffle, epoch=epoch))
             del got
             marks.take()
         growth = marks.check()
