@@ -14,7 +14,7 @@ import torch
 from gpufeed import _nvtx
 from gpufeed._tracing import TraceRecorder
 from gpufeed._tree import flatten
-from gpufeed.staging import Chunk, ChunkPipeline, PinnedPool, plan_leaf_chunks, warn_pageable
+from gpufeed.staging import Chunk, ChunkPipeline, PinnedPool, PinnedUnavailable, plan_leaf_chunks, warn_pageable
 from gpufeed.stats import PrefetchStats
 
 
@@ -144,7 +144,13 @@ class Copier:
                     dst.copy_(t)  # pageable fallback, still off the consumer's thread
             t0 = time.perf_counter()
             with _nvtx.range("gpufeed.stage"):
-                self.pipeline.run(chunks, stop)
+                try:
+                    self.pipeline.run(chunks, stop)
+                except PinnedUnavailable:  # pinning failed mid-way: copy this batch from pageable memory
+                    self._pinned_ok()
+                    for chunk in chunks:
+                        for dst, _, n in chunk.copies:
+                            dst.copy_(chunk.src[:n])
             stage_s = time.perf_counter() - t0
             batch = rebuild(out)
             if self.transform is not None:

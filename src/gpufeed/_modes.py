@@ -168,9 +168,10 @@ class SourceMode:
             chain.cancel()
 
     def close(self) -> None:
-        close = getattr(self.source, "close", None)
-        if callable(close):
-            close()
+        # The source belongs to the user: another prefetcher may be reading it (train and eval over one
+        # source), so closing it here would pull its files from under those reads. Sources close their
+        # files when they are closed or collected.
+        pass
 
 
 STATE_VERSION = 1

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from gpufeed._copier import Copier, Delivered
-from gpufeed.staging import _result, _traced, byte_view, split
+from gpufeed.staging import PinnedUnavailable, _result, _traced, byte_view, split
 
 _ALIGN = 64  # each field's region in a staging buffer starts on a cache line (and any dtype's alignment)
 
@@ -99,8 +99,15 @@ class SourceBatch:
                 if dev.type == "cuda":
                     copier.stream.synchronize()  # fence: no queued copy-stream work touches these blocks
                 self._read_direct(copier, out, stop)
+            elif copier._pinned_ok():
+                try:
+                    self._read_staged(copier, out, stop)
+                except PinnedUnavailable:
+                    self.cancel()
+                    copier._pinned_ok()  # warns once
+                    self._read_pageable(copier, out, stop)
             else:
-                self._read_staged(copier, out, stop)
+                self._read_pageable(copier, out, stop)
             batch: Any = out
             if copier.transform is not None:
                 batch = copier.transform(batch)
@@ -133,6 +140,14 @@ class SourceBatch:
             copier.pool.release(buf, copier.stream)
             if self._next < len(self._plan or ()):
                 self.start(copier, stop)  # a chunk's buffer came back: top up this batch's reads
+
+    def _read_pageable(self, copier: Copier, out: dict[str, torch.Tensor], stop: threading.Event) -> None:
+        """No pinned memory: read into pageable host tensors, then copy them (slower, still off the
+        consumer's thread)."""
+        host = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in out.items()}
+        self._read_direct(copier, host, stop)
+        for k, t in out.items():
+            t.copy_(host[k])
 
     def _read_direct(self, copier: Copier, out: dict[str, torch.Tensor], stop: threading.Event) -> None:
         pieces = self._pieces(0, len(self.rows), self._row_bytes(), copier)

@@ -27,7 +27,14 @@ class Failure:
     exc: BaseException
 
     def reraise(self) -> None:
-        raise self.exc.with_traceback(self.exc.__traceback__)
+        # Drop our references before raising (as concurrent.futures does): otherwise exception ->
+        # traceback -> this frame -> self -> exception is a cycle that keeps the failed loader
+        # iterator (and a DataLoader's worker processes) alive until the cyclic GC runs.
+        exc, self.exc = self.exc, None  # type: ignore[assignment]
+        try:
+            raise exc.with_traceback(exc.__traceback__)
+        finally:
+            del exc, self
 
 
 class End:

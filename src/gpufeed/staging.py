@@ -34,6 +34,10 @@ DEFAULT_CHUNK_BYTES = 32 * MiB  # best of 4..64 MiB on an H200 machine (profile_
 DEFAULT_PINNED_BUDGET = 512 * MiB
 
 
+class PinnedUnavailable(RuntimeError):
+    """The pool cannot pin memory (budget 0, or the allocation failed): copy from pageable memory."""
+
+
 class _Buffer:
     __slots__ = ("busy", "event", "tensor")
 
@@ -87,8 +91,14 @@ class PinnedPool:
         self._lock = threading.Lock()
 
     def acquire(self, nbytes: int, stop: threading.Event) -> _Buffer:
-        """A buffer of at least ``nbytes`` whose previous copy has completed; waits for one if needed."""
+        """A buffer of at least ``nbytes`` whose previous copy has completed; waits for one if needed.
+
+        Raises:
+            PinnedUnavailable: the budget is 0, or pinning memory failed (the caller copies pageable).
+        """
         while True:
+            if not self.available:
+                raise PinnedUnavailable("pinned_budget is 0" if self.budget == 0 else "pinned allocation failed")
             buf = self.try_acquire(nbytes)
             if buf is not None:
                 return buf
@@ -111,6 +121,8 @@ class PinnedPool:
                     break
                 self._free.remove(buf)  # too small for this request: make room for a bigger one
                 self.allocated -= buf.nbytes
+            if not self.available:
+                return None
             if self.allocated + size <= self.budget or (self.allocated == 0 and not self._free):
                 return self._allocate(size)
             return None  # every buffer is out; one comes back when its copy completes
@@ -125,8 +137,12 @@ class PinnedPool:
         with self._lock:
             self._free.append(buf)
 
-    def _allocate(self, size: int) -> _Buffer:
-        tensor = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+    def _allocate(self, size: int) -> _Buffer | None:
+        try:
+            tensor = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        except RuntimeError:  # cudaHostAlloc refused (locked-memory limit, no driver): go pageable
+            self.available = False
+            return None
         self.allocated += size
         self.allocations += 1
         return _Buffer(tensor)

@@ -150,7 +150,9 @@ def test_non_contiguous_out_is_rejected(tmp_path):
 
 def test_scattered_rows_are_gathered_from_a_memory_map(tmp_path, monkeypatch):
     import gpufeed.sources._io as io
+    import gpufeed.sources._layout as layout
 
+    monkeypatch.setattr(layout, "MMAP_GATHER", True)  # opt-in: GPUFEED_MMAP_GATHER=1
     x = np.arange(200 * 6, dtype=np.float32).reshape(200, 6)
     np.save(tmp_path / "a.npy", x[:90])
     np.save(tmp_path / "b.npy", x[90:])
@@ -166,7 +168,25 @@ def test_scattered_rows_are_gathered_from_a_memory_map(tmp_path, monkeypatch):
     assert calls == [40] and np.array_equal(out["x"].numpy(), x[:40])
 
 
-def test_file_truncated_after_opening_raises_on_the_gather_path_too(tmp_path):
+def test_scattered_rows_use_pread_by_default(tmp_path, monkeypatch):
+    # A mapped file truncated under a reader kills the process with SIGBUS: the map is opt-in.
+    import gpufeed.sources._io as io
+
+    x = np.arange(200 * 6, dtype=np.float32).reshape(200, 6)
+    np.save(tmp_path / "a.npy", x)
+    calls = []
+    monkeypatch.setattr(io, "gather_rows", lambda *a: calls.append(a))
+    src = RawSource(tmp_path / "a.npy")
+    rows = np.sort(np.random.default_rng(0).choice(200, 40, replace=False))
+    out = {"x": torch.empty(40, 6)}
+    src.read(rows, out)
+    assert calls == [] and np.array_equal(out["x"].numpy(), x[rows])
+
+
+def test_file_truncated_after_opening_raises_on_the_gather_path_too(tmp_path, monkeypatch):
+    import gpufeed.sources._layout as layout
+
+    monkeypatch.setattr(layout, "MMAP_GATHER", True)
     x = np.zeros((100, 16), np.uint8)
     np.save(tmp_path / "x.npy", x)
     src = RawSource(tmp_path / "x.npy")

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from .base import Field
+
+
+#: Opt-in fast path for shuffled batches (see ``Runs.scattered``); read once at import.
+MMAP_GATHER = os.environ.get("GPUFEED_MMAP_GATHER", "0") not in ("", "0", "false", "no")
 
 
 class Runs:
@@ -52,13 +57,17 @@ class Runs:
         return self._stops
 
     def scattered(self, row_nbytes: int) -> bool:
-        """Many short runs (a shuffled batch): gather rows from a memory map rather than one pread per run.
+        """Many short runs (a shuffled batch) and ``GPUFEED_MMAP_GATHER=1``: gather rows from a memory map
+        rather than one pread per run.
 
         Each ``pread`` takes and drops the GIL; thousands of them from several threads spend more time
         handing the GIL over than copying. One ``index_select`` per read copies every row with the GIL
-        released (measured: about 7x faster for 12 KiB rows). Long runs keep ``pread``.
+        released (measured: about 7x faster for 12 KiB rows). But a file truncated while it is mapped
+        kills the process with SIGBUS, where ``pread`` raises a clear OSError; so the gather is opt-in,
+        for files that nothing rewrites during training. Long runs always keep ``pread``.
         """
-        return self.rows is not None and self.count >= 8 and self.n * row_nbytes < self.count * (256 << 10)
+        return (MMAP_GATHER and self.rows is not None and self.count >= 8
+                and self.n * row_nbytes < self.count * (256 << 10))
 
     def pairs(self) -> list[tuple[int, int]]:
         if self.rows is None:

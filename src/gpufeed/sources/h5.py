@@ -35,6 +35,17 @@ from .base import Field, Rows
 # h5py serializes every call behind its own global lock anyway; ours keeps a read_direct and its
 # dataset lookup together and documents that the h5py path is single-threaded.
 _H5PY_LOCK = threading.Lock()
+
+
+def _reset_h5py_lock() -> None:
+    # A fork copies the lock as it is; if another thread held it, the child would wait forever.
+    # (h5py takes its own lock before fork, so no HDF5 call is in flight at the fork.)
+    global _H5PY_LOCK
+    _H5PY_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_h5py_lock)
 # Chunk cache per open file for the h5py path: big enough that reading a batch row run by row run does
 # not decompress the same chunk again for every run.
 _CHUNK_CACHE_BYTES = 32 << 20
