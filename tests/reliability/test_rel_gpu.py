@@ -268,3 +268,62 @@ def test_source_batch_larger_than_the_pinned_budget(row_mib, tmp_path):
     assert torch.equal(torch.cat(got), torch.from_numpy(x))
     checked(len(got), 0, x.nbytes)
     note(f"exact; pool at most max(2 MiB budget, one {row_mib} MiB row + a chunk)")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["loader", "source"])
+def test_pinned_budget_zero_falls_back_with_one_warning_in_both_modes(mode, tmp_path):
+    """pinned_budget=0: pageable copies, exactly one RuntimeWarning, no pinned memory, exact bytes, in
+    loader mode and in source mode (regression: finding 6; the loader-mode case is also
+    tests/test_cuda.py::test_pinned_budget_zero_falls_back_with_one_warning)."""
+    import warnings
+
+    disk = OnDisk("raw", tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if mode == "source":
+            with CudaPrefetcher(disk.open(), batch_size=16, pinned_budget=0) as pf:
+                for epoch in range(2):
+                    check_epoch([keep(b) for b in pf], disk.data, plan_batches(disk.n, 16, epoch=epoch))
+                assert pf._pool.allocated == 0
+        else:
+            data = [{"x": torch.from_numpy(disk.data["x"][i : i + 16]), "y": torch.from_numpy(
+                disk.data["y"][i : i + 16]), "w": torch.from_numpy(disk.data["w"][i : i + 16])}
+                for i in range(0, disk.n, 16)]
+            with CudaPrefetcher(data, pinned_budget=0) as pf:
+                check_epoch([keep(b) for b in pf], disk.data, plan_batches(disk.n, 16))
+                assert pf._pool.allocated == 0
+    said = [w for w in caught if "pinned staging is off" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    note("exact; one warning; no pinned memory")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["loader", "source"])
+def test_pinned_allocation_failure_falls_back_with_one_warning(mode, tmp_path, monkeypatch):
+    """Every pinned allocation fails (simulated cudaHostAlloc error): pageable copies, one warning, exact
+    bytes, in both modes (regression: finding 5)."""
+    import warnings
+
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        if kwargs.get("pin_memory"):
+            raise RuntimeError("CUDA error: out of memory (simulated cudaHostAlloc failure)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    disk = OnDisk("raw", tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if mode == "source":
+            with CudaPrefetcher(disk.open(), batch_size=16) as pf:
+                check_epoch([keep(b) for b in pf], disk.data, plan_batches(disk.n, 16))
+        else:
+            data = [{k: torch.from_numpy(v[i : i + 16]) for k, v in disk.data.items()}
+                    for i in range(0, disk.n, 16)]
+            with CudaPrefetcher(data) as pf:
+                check_epoch([keep(b) for b in pf], disk.data, plan_batches(disk.n, 16))
+    said = [w for w in caught if "pinned allocation failed" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    note("exact; one warning 'pinned allocation failed'")

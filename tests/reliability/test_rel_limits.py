@@ -82,10 +82,10 @@ def test_pool_serves_a_request_larger_than_its_budget():
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("budget", [0, 4096, 64 << 10])
+@pytest.mark.parametrize("budget", [4096, 64 << 10, 1 << 20])
 def test_pipeline_stages_chunks_larger_than_the_budget(budget):
     """The chunk pipeline (host memory for pinned) moves a 3 MiB tensor in 1 MiB chunks through a pool
-    of 0, 4 KiB or 64 KiB: every byte arrives, the pool holds one chunk at most."""
+    of 4 KiB, 64 KiB or 1 MiB: every byte arrives, the pool holds one chunk at most."""
     src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
     dst = torch.empty_like(src)
     pool = PinnedPool(budget, 1 << 20, pin=False)
@@ -95,6 +95,45 @@ def test_pipeline_stages_chunks_larger_than_the_budget(budget):
     assert pool.allocated <= max(budget, 1 << 20)
     checked(1, 0, src.numel())
     note("every byte staged; the pool never above max(budget, one chunk)")
+
+
+def _failing_pin(monkeypatch):
+    """Make every pinned allocation fail, as cudaHostAlloc does over a locked-memory limit."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        if kwargs.get("pin_memory"):
+            raise RuntimeError("CUDA error: out of memory (simulated cudaHostAlloc failure)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.mark.timeout(30)
+def test_pinned_allocation_failure_makes_the_pool_unavailable(monkeypatch):
+    """Pinning fails: the pool says so (``available`` False) and hands out nothing, instead of raising
+    into the consumer, so the prefetcher takes its pageable path (regression: finding 5)."""
+    from gpufeed.staging import PinnedUnavailable
+
+    _failing_pin(monkeypatch)
+    pool = PinnedPool(1 << 20, 4096, pin=True)
+    assert pool.try_acquire(4096) is None and not pool.available and pool.allocated == 0
+    with pytest.raises(PinnedUnavailable, match="pinned allocation failed"):
+        pool.acquire(4096, STOP)
+    note("try_acquire gives None, available is False, acquire raises PinnedUnavailable (the callers' cue "
+         "to copy pageable)")
+
+
+@pytest.mark.timeout(30)
+def test_pool_with_a_budget_of_zero_hands_out_nothing():
+    """A budget of 0 pins nothing, even for a request no buffer could hold (regression: finding 6)."""
+    from gpufeed.staging import PinnedUnavailable
+
+    pool = PinnedPool(0, 4096, pin=False)
+    assert pool.try_acquire(8192) is None and pool.allocated == 0 and not pool.available
+    with pytest.raises(PinnedUnavailable, match="pinned_budget is 0"):
+        pool.acquire(8192, STOP)
+    note("nothing allocated; acquire raises PinnedUnavailable")
 
 
 # -- a low open-files limit --------------------------------------------------------------------------

@@ -286,7 +286,7 @@ def test_random_sources_many_prefetchers(kind, n, fields, jobs, data_seed, delay
             expected, total = source_expected(data, bs, shuffle, drop_last, seed)
 
             def make(bs=bs, shuffle=shuffle, drop_last=drop_last, depth=depth, seed=seed, share=share):
-                src = _NoClose(shared) if share else opener()
+                src = shared if share else opener()
                 pf = CudaPrefetcher(src, device=device, depth=depth, batch_size=bs, shuffle=shuffle,
                                     drop_last=drop_last, seed=seed, chunk_bytes=4096)
                 return TwoEpochs(pf)
@@ -295,24 +295,6 @@ def test_random_sources_many_prefetchers(kind, n, fields, jobs, data_seed, delay
         run_concurrently(work)
         shared.close()
     note("every byte equal to the plan's rows, two epochs, in order, exactly once; no consumer hung")
-
-
-class _NoClose:
-    """A shared source: the prefetcher that finishes first must not close it under the others (a
-    prefetcher closes its source; see the report's shared-source finding)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.fields, self.reads_to = inner.fields, inner.reads_to
-
-    def __len__(self):
-        return len(self.inner)
-
-    def read(self, rows, out):
-        self.inner.read(rows, out)
-
-    def close(self):
-        pass
 
 
 # -- the staging path that feeds the GPU, driven on the CPU ---------------------------------------
@@ -348,13 +330,14 @@ def staged_epoch(src, plan, budget, chunk, threads, stop):
        bs=st.integers(1, 64), shuffle=st.sampled_from([False, True, "blocks"]))
 def test_staging_path_every_byte(n, fields, seed, chunk, budget_chunks, threads, bs, shuffle):
     """The CUDA path's source staging (pinned pool, parallel reads, read-ahead of the next batch), with host
-    memory standing in for pinned and device memory: random fields, batches and pool budgets down to 0."""
+    memory standing in for pinned and device memory: random fields, batches, and pool budgets from 4 KiB
+    (smaller than one chunk) to 6 chunks."""
     with tempfile.TemporaryDirectory() as tmp:
         opener, data = write_source(Path(tmp), "npy", n, fields, seed)
         src = opener()
         plan = plan_batches(n, bs, shuffle=shuffle, seed=seed)
         bad = nb = 0
-        epoch = staged_epoch(src, plan, budget_chunks * chunk, chunk, threads, threading.Event())
+        epoch = staged_epoch(src, plan, max(4096, budget_chunks * chunk), chunk, threads, threading.Event())
         for out, rows in zip(epoch, plan, strict=True):
             r = plan_rows(rows)
             for name, arr in data.items():
