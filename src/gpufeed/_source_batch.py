@@ -53,8 +53,12 @@ class _Chain:
         return self._made[i]
 
     def cancel(self) -> None:
+        """End the epoch: let reads started ahead finish, return their buffers, and drop the batches
+        (each references this chain: clearing breaks the cycle, so the source is freed with its files)."""
         for b in self._made.values():
             b.cancel()
+            b.chain = None
+        self._made.clear()
 
 
 class SourceBatch:
