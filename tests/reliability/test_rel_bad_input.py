@@ -2,7 +2,7 @@
 
 Each case builds the defect, expects an exception type, a pattern that names the file and, where the
 message states a fix, a pattern for it. Cases whose message leaves the fix implicit (a missing file:
-"no such file") say so in their note; the report lists the messages that could say more.
+"no such file") say so in their note; docs/reliability.md lists the messages that could say more.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def test_truncated_after_open(kind, tmp_path):
     src = opener()
     _read(src, range(2))
     os.truncate(victim, os.path.getsize(victim) // 3)
-    if kind == "h5-gzip":  # h5py's error: names neither the file nor the fix (see the report)
+    if kind == "h5-gzip":  # h5py's error: names neither the file nor the fix (docs/reliability.md)
         with pytest.raises(OSError, match="read"):
             _read(src, range(40))
         note("OSError from h5py; does not name the file")

@@ -130,7 +130,7 @@ def test_source_file_truncated_mid_epoch(disk, device):
         check_epoch(got, disk.data, plan(), complete=False)
         assert len(got) < 15
         msg = str(info.value)
-        if disk.kind == "h5-gzip":  # h5py's own error: it does not name the file (see the report)
+        if disk.kind == "h5-gzip":  # h5py's own error: it does not name the file (docs/reliability.md)
             assert "read" in msg
         else:
             assert f"short read from {disk.late_file}" in msg and "recreate the source" in msg
@@ -174,8 +174,8 @@ def _child_status(fn, timeout=30.0):
 def test_source_file_truncated_between_shuffled_batches(kind, gather, tmp_path):
     """Shuffled batches, read with positional reads or gathered from a memory map (the opt-in
     ``GPUFEED_MMAP_GATHER=1``): a file truncated while no read is in flight gives a clean OSError naming
-    the file. (Truncated *during* a gather, the process dies of SIGBUS: see the report; each case runs in
-    a forked child so that could not take pytest down.)"""
+    the file. (Truncated *during* a gather, the process dies of SIGBUS: finding 1 of docs/reliability.md;
+    each case runs in a forked child so that could not take pytest down.)"""
     if kind not in ("raw", "raw-multi"):
         pytest.importorskip("h5py")
     disk = OnDisk(kind, tmp_path)

@@ -148,6 +148,33 @@ def test_open_close_leaks_no_descriptor(kind, tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["raw-multi", "h5-gzip"])
+def test_dropped_source_releases_its_descriptors_without_gc(kind, tmp_path):
+    """With the garbage collector off: after an epoch (complete, or left with ``break``), closing the
+    prefetcher and dropping the source closes the source's files at once; nothing keeps them in a
+    reference cycle (regression: finding 7)."""
+    _needs(kind)
+    disk = OnDisk(kind, tmp_path)
+    gc.collect()
+    before = sorted(open_fds())
+    gc.disable()
+    try:
+        for stop_early in (False, True):
+            src = disk.open()
+            pf = CudaPrefetcher(src, device="cpu", batch_size=16, shuffle=True)
+            for k, _ in enumerate(pf):
+                if stop_early and k == 2:
+                    break
+            pf.close()
+            del pf, src
+            wait_no_threads()
+            assert sorted(open_fds()) == before, "descriptors stay open until a GC pass"
+    finally:
+        gc.enable()
+    note("every descriptor closed at once, with the GC disabled")
+
+
+@pytest.mark.timeout(60)
 def test_pinned_pool_flat_over_50_rounds():
     """The pool (host memory standing in for pinned) under 50 rounds of random staging: allocations stop
     after the first rounds, its size never exceeds the budget, every buffer comes back."""
