@@ -73,7 +73,6 @@ class Copier:
         self.trace = trace
         self._timings: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event]] = collections.deque()
         self._retire: collections.deque[tuple[torch.cuda.Event, list[torch.Tensor]]] = collections.deque()
-        self._warned = False
 
     def deliver(self, raw: Any, index: int, stop: threading.Event,
                 consumer: torch.cuda.Stream | None) -> Delivered:
@@ -164,8 +163,8 @@ class Copier:
     def _pinned_ok(self) -> bool:
         if self.pool.available:
             return True
-        if not self._warned:
-            self._warned = True
+        if not self.pool.warned:  # once per prefetcher (the pool lives as long as it; copiers are per epoch)
+            self.pool.warned = True
             warn_pageable("pinned_budget is 0" if self.pool.budget == 0 else "pinned allocation failed")
         return False
 

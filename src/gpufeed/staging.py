@@ -85,6 +85,7 @@ class PinnedPool:
         self.fill_bytes = max(64 << 10, chunk_bytes // 4)  # one worker's share of a chunk
         self.pin = pin
         self.available = budget > 0
+        self.warned = False  # the prefetcher said once that it falls back to pageable copies
         self.allocated = 0
         self.allocations = 0
         self._free: list[_Buffer] = []
