@@ -23,9 +23,13 @@ def fake_copier(budget, chunk_bytes, threads=3):
     return SimpleNamespace(pool=pool, pipeline=pipeline, stream=None), ex
 
 
+@pytest.mark.parametrize("min_read", [0, 1 << 20])  # many reads per chunk, or one
 @pytest.mark.parametrize("budget", [4096, 8192, 1 << 20])  # from one buffer at a time to everything at once
 @pytest.mark.parametrize("src_cls", [ArraySource, OddSource])
-def test_staged_reads_deliver_every_byte_and_return_every_buffer(budget, src_cls):
+def test_staged_reads_deliver_every_byte_and_return_every_buffer(budget, src_cls, min_read, monkeypatch):
+    import gpufeed._source_batch as sb
+
+    monkeypatch.setattr(sb, "MIN_READ_BYTES", min_read)
     src = src_cls()
     plan = plan_batches(len(src), 17, shuffle=True, seed=1)
     copier, ex = fake_copier(budget, 4096)

@@ -25,6 +25,7 @@ import torch
 from gpufeed._copier import Copier, Delivered
 from gpufeed.staging import PinnedUnavailable, _result, _traced, byte_view, split
 
+MIN_READ_BYTES = 1 << 20
 _ALIGN = 64  # each field's region in a staging buffer starts on a cache line (and any dtype's alignment)
 
 
@@ -170,9 +171,11 @@ class SourceBatch:
         return max(1, sum(f.sample_nbytes for f in self.source.fields.values()))
 
     def _pieces(self, r0: int, r1: int, row_bytes: int, copier: Copier) -> list[tuple[int, int]]:
-        # At least one read per worker thread for the batch, so every thread reads (like a 16-thread pread).
+        # One read per worker thread for the batch, so every thread reads (like a 16-thread pread), but
+        # none under 1 MiB: each read wakes a thread that takes the GIL, which a launch-bound training
+        # step (the consumer) waits for; small batches are read by one thread.
         per_thread = -(-len(self.rows) // copier.pipeline.threads)
-        per = max(1, min(copier.pool.fill_bytes // row_bytes, per_thread))
+        per = max(1, min(copier.pool.fill_bytes // row_bytes, max(per_thread, MIN_READ_BYTES // row_bytes)))
         return [(r0 + a, r0 + a + k) for a, k in split(r1 - r0, per)]
 
     def _make_plan(self, copier: Copier) -> list[Any]:
