@@ -91,3 +91,23 @@ def test_prepared_jobs_fill_their_regions_before_the_copy():
     with ThreadPoolExecutor(3) as ex:
         ChunkPipeline(pool, ex, None, max_in_flight=4).run([chunk], STOP)
     assert torch.equal(dst, data.reshape(-1))
+
+
+def test_small_tensors_are_packed_and_copied_exactly():
+    from gpufeed.staging import plan_small_chunks
+
+    g = torch.Generator().manual_seed(0)
+    srcs = [torch.randint(0, 1 << 30, (k,), generator=g, dtype=torch.int32) for k in (1, 3, 1000, 4097, 20000)]
+    srcs.append(torch.rand(33, 7, generator=g).to(torch.bfloat16))
+    dsts = [torch.empty_like(s) for s in srcs]
+    chunks = plan_small_chunks(list(zip(srcs, dsts)), chunk_bytes=16 << 10)  # forces several packs
+    assert len(chunks) > 1 and all(c.nbytes <= (16 << 10) + 64 or len(c.fills) == 1 for c in chunks)
+    big = torch.randint(0, 256, (100_000,), dtype=torch.uint8)
+    big_dst = torch.empty_like(big)
+    chunks += plan_leaf_chunks(big, big_dst, 16 << 10)
+    pool = PinnedPool(budget=256 << 10, chunk_bytes=16 << 10, pin=False)
+    with ThreadPoolExecutor(3) as ex:
+        ChunkPipeline(pool, ex, None, max_in_flight=8).run(chunks, STOP)
+    assert all(torch.equal(s, d) for s, d in zip(srcs, dsts))
+    assert torch.equal(big, big_dst)
+    assert len(pool._free) == pool.allocations

@@ -14,7 +14,17 @@ import torch
 from gpufeed import _nvtx
 from gpufeed._tracing import TraceRecorder
 from gpufeed._tree import flatten
-from gpufeed.staging import Chunk, ChunkPipeline, PinnedPool, PinnedUnavailable, plan_leaf_chunks, warn_pageable
+from gpufeed.staging import (
+    Chunk,
+    ChunkPipeline,
+    PinnedPool,
+    PinnedUnavailable,
+    plan_leaf_chunks,
+    plan_small_chunks,
+    warn_pageable,
+)
+
+SMALL_LEAF_BYTES = 4 << 20  # staged by worker threads, packed (see plan_small_chunks)
 from gpufeed.stats import PrefetchStats
 
 
@@ -117,6 +127,8 @@ class Copier:
         fresh: list[torch.Tensor] = []
         keep: list[torch.Tensor] = []
         chunks: list[Chunk] = []
+        small: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged_leaves: list[tuple[torch.Tensor, torch.Tensor]] = []
         nbytes = staged = 0
         with torch.cuda.stream(self.stream), _nvtx.range("gpufeed.copy"):
             start = self._begin()
@@ -137,19 +149,23 @@ class Copier:
                 elif self._pinned_ok():
                     src = t.contiguous()
                     keep.append(src)
-                    chunks += plan_leaf_chunks(src, dst, self.pool.chunk_bytes)
+                    staged_leaves.append((src, dst))
+                    if n <= SMALL_LEAF_BYTES:
+                        small.append((src, dst))
+                    else:
+                        chunks += plan_leaf_chunks(src, dst, self.pool.chunk_bytes)
                     staged += n
                 else:
                     dst.copy_(t)  # pageable fallback, still off the consumer's thread
+            chunks = plan_small_chunks(small, self.pool.chunk_bytes) + chunks  # small ones fill meanwhile
             t0 = time.perf_counter()
             with _nvtx.range("gpufeed.stage"):
                 try:
                     self.pipeline.run(chunks, stop)
                 except PinnedUnavailable:  # pinning failed mid-way: copy this batch from pageable memory
                     self._pinned_ok()
-                    for chunk in chunks:
-                        for dst, _, n in chunk.copies:
-                            dst.copy_(chunk.src[:n])
+                    for src, dst in staged_leaves:
+                        dst.copy_(src)
             stage_s = time.perf_counter() - t0
             batch = rebuild(out)
             if self.transform is not None:
