@@ -168,6 +168,19 @@ def _child_status(fn, timeout=30.0):
     return "hung"
 
 
+def _wait_read_ahead(it, depth, timeout=10.0):
+    """Until ``depth`` batches wait in the epoch's queue: the thread then waits for the consumer to take
+    one, so no read is in flight. (Reads the iterator's private queue; falls back to a pause.)"""
+    q = getattr(it, "_queue", None)
+    if q is None or not hasattr(q, "qsize"):
+        time.sleep(0.5)
+        return
+    deadline = time.monotonic() + timeout
+    while q.qsize() < depth and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.01)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("gather", [False, True], ids=["pread", "mmap gather"])
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "h5-gzip"])
@@ -190,7 +203,7 @@ def test_source_file_truncated_between_shuffled_batches(kind, gather, tmp_path):
         with CudaPrefetcher(disk.open(), device="cpu", batch_size=BS, shuffle=True, depth=2) as pf:
             it = iter(pf)
             got += [keep(next(it)) for _ in range(3)]
-            time.sleep(0.3)  # the thread has read its batches ahead and waits: no read in flight
+            _wait_read_ahead(it, 2)  # the thread has read its 2 batches ahead and waits: no read in flight
             os.truncate(disk.late_file, os.path.getsize(disk.late_file) // 2)
             try:
                 for b in it:

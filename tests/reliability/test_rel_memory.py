@@ -45,9 +45,12 @@ class Marks:
             torch.cuda.synchronize(self.device)
             cuda = (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
         pool = self.pf._pool
+        # The reader pool starts its threads on demand, up to num_threads: count them apart.
+        fill = sum(t.name.startswith("gpufeed-fill") for t in threading.enumerate())
+        assert fill <= self.pf.num_threads, (fill, self.pf.num_threads)
         self.rows.append({"rss": rss_bytes(), "objects": len(gc.get_objects()), "pool": pool.allocated,
                           "buffers": pool.allocations, "fds": len(open_fds()),
-                          "threads": threading.active_count(), "cuda": cuda})
+                          "threads": threading.active_count() - fill, "cuda": cuda})
 
     def check(self, rss_slack=5 * MiB, objects_slack=300):
         assert self.epoch == EPOCHS and len(self.rows) == 1 + (EPOCHS - WARM) // 5
