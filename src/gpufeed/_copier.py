@@ -208,8 +208,10 @@ class Copier:
             self._retire.popleft()[0].synchronize()
 
     def finish(self) -> None:
+        """The epoch's fetch thread is ending: account the last copies and stop the worker threads."""
         if self.stream is not None:
             try:
                 self._collect(wait=True)
             except Exception:
                 pass
+        self.pipeline.executor.shutdown(wait=True, cancel_futures=True)

@@ -117,7 +117,6 @@ class CudaPrefetcher:
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         budget = DEFAULT_PINNED_BUDGET if pinned_budget is None else int(pinned_budget)
         self._pool = PinnedPool(budget, chunk_bytes, pin=self._cuda)
-        self._executor: ThreadPoolExecutor | None = None
         self._static = StaticBuffers() if static else None
         if trace is None:
             trace = os.environ.get("GPUFEED_TRACE", "0") not in ("", "0", "false", "no")
@@ -207,9 +206,6 @@ class CudaPrefetcher:
         it = self._current() if self._current is not None else None
         if it is not None:
             it._shutdown("the CudaPrefetcher was closed")
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
         self._pool.clear()
         self._mode.close()
 
@@ -228,9 +224,10 @@ class CudaPrefetcher:
     # -- used by the background thread -------------------------------------------------------------
 
     def _pipeline(self) -> ChunkPipeline:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(self.num_threads, thread_name_prefix="gpufeed-fill")
-        return ChunkPipeline(self._pool, self._executor, self._stream, max_in_flight=2 * self.num_threads,
+        # Worker threads belong to one epoch (they start on first use and end with its fetch thread), so
+        # break, an error or Ctrl-C leaves no gpufeed thread behind; pinned buffers live on in the pool.
+        executor = ThreadPoolExecutor(self.num_threads, thread_name_prefix="gpufeed-fill")
+        return ChunkPipeline(self._pool, executor, self._stream, max_in_flight=2 * self.num_threads,
                              trace=self._trace)
 
     def _copier(self) -> Copier:
