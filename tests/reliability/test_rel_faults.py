@@ -64,8 +64,7 @@ def stopped():
 
 
 def fetch_stopped(timeout=5.0):
-    """Seconds until no epoch thread is alive. (A live prefetcher over a source keeps its pool of reader
-    threads, ``gpufeed-fill``, until ``close()``.)"""
+    """Seconds until no epoch (fetch) thread is alive."""
     t0 = time.monotonic()
     while [t for t in threading.enumerate() if t.name == "gpufeed-fetch"]:
         assert time.monotonic() - t0 < timeout, "the epoch's thread is still alive"
@@ -291,7 +290,7 @@ def test_source_consumer_raises(disk, device):
     with CudaPrefetcher(disk.open(), device=device, batch_size=BS, depth=4) as pf:
         with pytest.raises(KeyError):
             _consume_and_raise(pf, 3)
-        t = fetch_stopped()  # the for loop's iterator died with the frame: its thread stopped
+        t = stopped()  # the for loop's iterator died with the frame: its threads (fetch, readers) stopped
         full_epoch(pf, disk, epoch=1)
     note(f"thread gone {t:.2f} s after the consumer's exception; next epoch complete")
 
@@ -320,7 +319,7 @@ def test_source_ctrl_c_during_next(disk, device, how):
             waited = time.monotonic() - t0
         finally:
             timer.join()
-        t = fetch_stopped()
+        t = stopped()  # the epoch's fetch thread and its reader threads
         check_epoch(got, disk.data, plan()[:3])
         with pytest.raises(StopIteration):
             next(it)  # the interrupted iterator ends; it never hands out a stale batch
