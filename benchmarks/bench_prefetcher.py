@@ -40,7 +40,6 @@ import functools
 import json
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -51,6 +50,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by a test
+from _common import card_name, pick_device  # noqa: E402
 
 try:
     import gpufeed
@@ -108,7 +110,7 @@ def parse_args(argv: list[str] | None) -> Config:
     a = p.parse_args(argv)
     sizes = SMOKE if a.smoke else FULL
     pick = {k: sizes[k] if getattr(a, k) is None else getattr(a, k) for k in sizes}
-    return Config(device=_device(a.device, a.smoke), batch_bytes=_batch_bytes(pick["batch_mib"]),
+    return Config(device=pick_device(a.device, a.smoke), batch_bytes=_batch_bytes(pick["batch_mib"]),
                   batches=_positive("batches", pick["batches"]), iters=_positive("iters", pick["iters"]),
                   reps=_positive("reps", pick["reps"]), depth=_positive("depth", a.depth),
                   num_threads=a.num_threads, out=a.out, profile=a.profile, smoke=a.smoke)
@@ -127,25 +129,6 @@ def _batch_bytes(mib: float) -> int:
     return nbytes
 
 
-def _device(name: str | None, smoke: bool) -> torch.device:
-    if name is None:
-        name = "cuda" if torch.cuda.is_available() and not smoke else "cpu"
-    dev = torch.device(name)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit(f"--device {name}: CUDA is not available here; use --device cpu or --smoke")
-        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
-        torch.cuda.set_device(dev)
-    elif dev.type != "cpu":
-        raise SystemExit(f"--device must be cuda, cuda:N or cpu, got {name}")
-    return dev
-
-
-def card_name(device: torch.device) -> str:
-    """The slug of the GPU's name (``nvidia-h100-80gb-hbm3``), or ``cpu``."""
-    if device.type != "cuda":
-        return "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
 
 
 # -- data ----------------------------------------------------------------------------------------------
@@ -215,7 +198,7 @@ def nvtx(name: str, cfg: Config) -> Iterator[None]:
             torch.cuda.nvtx.range_pop()
 
 
-def time_device(fn: Callable[[], None], cfg: Config) -> float:
+def timepick_device(fn: Callable[[], None], cfg: Config) -> float:
     """Median seconds of ``fn`` over ``cfg.reps`` runs: CUDA events on the current stream, else host time."""
     times = []
     for _ in range(cfg.reps):
@@ -256,8 +239,8 @@ def measure_ceiling(pinned: list[Batch], cfg: Config) -> dict[str, float]:
         dict_copies()  # warm-up
         flat_copies()
         nbytes = cfg.iters * cfg.batch_bytes
-        gbps = nbytes / time_device(dict_copies, cfg) / 1e9
-        flat = nbytes / time_device(flat_copies, cfg) / 1e9
+        gbps = nbytes / timepick_device(dict_copies, cfg) / 1e9
+        flat = nbytes / timepick_device(flat_copies, cfg) / 1e9
     return {"GBps": gbps, "flat_GBps": flat, "copy_s_per_batch": cfg.batch_bytes / (gbps * 1e9)}
 
 

@@ -45,7 +45,6 @@ import gc
 import json
 import os
 import platform
-import re
 import shutil
 import sys
 import tempfile
@@ -58,6 +57,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by a test
+from _common import card_name, pick_device  # noqa: E402
 import torch.nn.functional as F
 from torch import nn
 
@@ -209,7 +211,7 @@ def parse_args(argv: list[str] | None) -> Config:
     if workers < 0 or a.depth < 1:
         raise SystemExit("--workers must be >= 0 and --depth >= 1")
     return Config(
-        device=_device(a.device, a.smoke),
+        device=pick_device(a.device, a.smoke),
         lr=a.lr,
         seed=a.seed,
         workers=workers,
@@ -225,25 +227,6 @@ def parse_args(argv: list[str] | None) -> Config:
     )
 
 
-def _device(name: str | None, smoke: bool) -> torch.device:
-    if name is None:
-        name = "cuda" if torch.cuda.is_available() and not smoke else "cpu"
-    dev = torch.device(name)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit(f"--device {name}: CUDA is not available here; use --device cpu or --smoke")
-        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
-        torch.cuda.set_device(dev)
-    elif dev.type != "cpu":
-        raise SystemExit(f"--device must be cuda, cuda:N or cpu, got {name}")
-    return dev
-
-
-def card_name(device: torch.device) -> str:
-    """The slug of the GPU's name (``nvidia-h100-80gb-hbm3``), or ``cpu``."""
-    if device.type != "cuda":
-        return "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
 
 
 def sync(cfg: Config) -> None:
