@@ -74,25 +74,6 @@ def test_pipeline_error_in_a_fill_is_raised_and_buffers_come_back():
     assert len(pool._free) == pool.allocations  # every buffer is back in the pool
 
 
-def test_prepared_jobs_fill_their_regions_before_the_copy():
-    # The source-mode shape: a chunk binds its buffer to several jobs that each fill a disjoint region.
-    from gpufeed.staging import Chunk
-
-    data = torch.randint(0, 256, (3, 5000), dtype=torch.uint8)
-    dst = torch.empty(3 * 5000, dtype=torch.uint8)
-
-    def prepare(buf):
-        def job(i):
-            return lambda: buf[i * 5000 : (i + 1) * 5000].copy_(data[i])
-        return [job(i) for i in range(3)]
-
-    chunk = Chunk(3 * 5000, [], [(dst, 0, 3 * 5000)], prepare=prepare)
-    pool = PinnedPool(budget=64 << 10, chunk_bytes=16 << 10, pin=False)
-    with ThreadPoolExecutor(3) as ex:
-        ChunkPipeline(pool, ex, None, max_in_flight=4).run([chunk], STOP)
-    assert torch.equal(dst, data.reshape(-1))
-
-
 def test_small_tensors_are_packed_and_copied_exactly():
     from gpufeed.staging import plan_small_chunks
 

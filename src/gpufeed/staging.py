@@ -172,8 +172,6 @@ class Chunk:
     fills: list[Callable[[torch.Tensor], None]]
     copies: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
     src: torch.Tensor | None = None  # a flat uint8 host view: filled by one torch copy, in this thread
-    #: Instead of ``fills``: binds the buffer (in the background thread) and returns argument-free jobs.
-    prepare: Callable[[torch.Tensor], list[Callable[[], None]]] | None = None
 
 
 def memcpy_fill(src_addr: int, offset: int, nbytes: int) -> Callable[[torch.Tensor], None]:
@@ -287,7 +285,7 @@ class ChunkPipeline:
         bound.clear()
 
     def _bind(self, chunk: Chunk, buf: torch.Tensor) -> list[Callable[[], None]]:
-        jobs = chunk.prepare(buf) if chunk.prepare is not None else [functools.partial(f, buf) for f in chunk.fills]
+        jobs = [functools.partial(f, buf) for f in chunk.fills]
         return jobs if self.trace is None else [_traced(self.trace, job) for job in jobs]
 
     def _copy(self, chunk: Chunk, buf: _Buffer) -> None:
