@@ -306,7 +306,7 @@ def _interrupt(how):
 @pytest.mark.parametrize("how", ["interrupt_main", "raise_signal"])
 def test_source_ctrl_c_during_next(disk, device, how):
     """SIGINT while the consumer waits in next(): KeyboardInterrupt, thread stops, next epoch works."""
-    src = FaultySource(disk.open(), block_row=3 * BS, block_s=0.4)  # the read of batch 3 takes 0.4 s
+    src = FaultySource(disk.open(), block_row=3 * BS, block_s=0.3)  # the read of batch 3 takes 0.3 s
     with CudaPrefetcher(src, device=device, batch_size=BS, depth=2) as pf:
         it = iter(pf)
         got = [keep(next(it)) for _ in range(3)]
@@ -326,7 +326,7 @@ def test_source_ctrl_c_during_next(disk, device, how):
         src.block_row = None
         full_epoch(pf, disk, epoch=1)
     note(f"KeyboardInterrupt {waited:.2f} s after next() began (signal at 0.15 s, the read in flight "
-         f"ends at 0.4 s); thread gone {t:.2f} s later; next epoch complete")
+         f"ends at 0.3 s); thread gone {t:.2f} s later; next epoch complete")
 
 
 # -- loaders (iterable mode) -----------------------------------------------------------------------
@@ -543,12 +543,12 @@ def test_loader_ctrl_c_during_next(kind, how, device, tmp_path):
         def slow():
             for i in range(N // 4):
                 if i == 3:
-                    time.sleep(0.4)
+                    time.sleep(0.3)
                 idx = torch.arange(i * 4, i * 4 + 4)
                 yield {"x": idx[:, None].expand(-1, 4).clone(), "i": idx}
         loader = slow
     else:
-        loader = DataLoader(Rows(N, at=13, what="slow", delay=0.4), batch_size=4, num_workers=2)
+        loader = DataLoader(Rows(N, at=13, what="slow", delay=0.3), batch_size=4, num_workers=2)
     with CudaPrefetcher(loader, device=device, depth=2) as pf:
         it = iter(pf)
         got = [keep(next(it)) for _ in range(3)]
@@ -570,7 +570,7 @@ def test_loader_ctrl_c_during_next(kind, how, device, tmp_path):
         assert len(again) == N // 4
     stopped()
     note(f"KeyboardInterrupt {waited:.2f} s after next() began (signal at 0.1 s, the loader's batch in "
-         f"flight ends at 0.4 s); thread gone {t:.2f} s, workers {w:.2f} s later; next epoch complete")
+         f"flight ends at 0.3 s); thread gone {t:.2f} s, workers {w:.2f} s later; next epoch complete")
 
 
 @pytest.mark.timeout(30)
