@@ -23,9 +23,9 @@ from gpufeed.staging import (
     plan_small_chunks,
     warn_pageable,
 )
+from gpufeed.stats import PrefetchStats
 
 SMALL_LEAF_BYTES = 4 << 20  # staged by worker threads, packed (see plan_small_chunks)
-from gpufeed.stats import PrefetchStats
 
 
 @dataclass

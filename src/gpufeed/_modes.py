@@ -180,7 +180,8 @@ def _check_state(state: Any, mode: str) -> None:
         raise ValueError(f"not a gpufeed state_dict: expected a dict from CudaPrefetcher.state_dict(), got "
                          f"{type(state).__name__}")
     if state["gpufeed"] != STATE_VERSION:
-        raise ValueError(f"gpufeed state version {state['gpufeed']} is not supported (this is {STATE_VERSION})")
+        raise ValueError(f"gpufeed state version {state['gpufeed']} is not supported "
+                         f"(this gpufeed reads version {STATE_VERSION})")
     if state.get("mode") != mode:
         raise ValueError(f"this state was saved from a prefetcher over a {state.get('mode')}, "
                          f"but this one wraps a {mode}; resume with the same kind of input")

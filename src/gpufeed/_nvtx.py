@@ -31,5 +31,5 @@ def _pick() -> Callable[[str], contextlib.AbstractContextManager[Any]]:
         return torch.cuda.nvtx.range
 
 
-range = _pick()  # noqa: A001 - mirrors nvtx.range / torch.cuda.nvtx.range
+range = _pick()
 enabled = range is not _off

@@ -41,7 +41,7 @@ class StaticBuffers:
             raise ValueError(f"static=True needs batches of one structure: the first had {len(self.tensors)} "
                              f"tensors, this one {len(leaves)}")
         valid = None
-        for s, t in zip(self.tensors, leaves):
+        for s, t in zip(self.tensors, leaves, strict=True):
             n = self._copy(s, t)
             valid = n if valid is None else min(valid, n)
         return StaticBatch(rebuild(self.tensors), valid if valid is not None else 0)
@@ -51,7 +51,8 @@ class StaticBuffers:
         if t.dtype != s.dtype or t.shape[1:] != s.shape[1:] or t.dim() != s.dim() or (
                 t.dim() and t.shape[0] > s.shape[0]):
             raise ValueError(
-                f"static=True: a batch tensor of shape {tuple(t.shape)} and {t.dtype} does not fit the static "
+                f"static=True: a batch tensor of shape {tuple(t.shape)} and {t.dtype} does not fit the "
+                f"static "
                 f"tensor of shape {tuple(s.shape)} and {s.dtype} taken from the first batch; make the first "
                 "batch the largest (e.g. drop_last=False keeps full batches first)"
             )

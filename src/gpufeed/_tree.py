@@ -64,10 +64,10 @@ def _compile_mapping(obj: Mapping, leaves: list[torch.Tensor]) -> Rebuild:
     parts = [_compile(obj[k], leaves) for k in keys]
     cls = type(obj)
     if cls is dict:
-        return lambda new: {k: p(new) for k, p in zip(keys, parts)}
+        return lambda new: {k: p(new) for k, p in zip(keys, parts, strict=True)}
 
     def rebuild(new: Sequence[Any]) -> Any:
-        items = [(k, p(new)) for k, p in zip(keys, parts)]
+        items = [(k, p(new)) for k, p in zip(keys, parts, strict=True)]
         try:
             return cls(items)  # OrderedDict, defaultdict-less Mappings built from pairs
         except TypeError:
@@ -88,6 +88,6 @@ def _compile_dataclass(obj: Any, leaves: list[torch.Tensor]) -> Rebuild:
     parts = [_compile(getattr(obj, n), leaves) for n in names]
 
     def rebuild(new: Sequence[Any]) -> Any:
-        return dataclasses.replace(obj, **{n: p(new) for n, p in zip(names, parts)})
+        return dataclasses.replace(obj, **{n: p(new) for n, p in zip(names, parts, strict=True)})
 
     return rebuild

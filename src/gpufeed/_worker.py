@@ -6,7 +6,6 @@ import functools
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 #: Every blocking wait wakes at least this often to check its stop flag (seconds).
 POLL_S = 0.05

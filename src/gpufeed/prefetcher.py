@@ -171,7 +171,8 @@ class CudaPrefetcher:
         stage, copy issue), one for the consumer (wait). Needs ``trace=True`` (or ``GPUFEED_TRACE=1``).
         """
         if self._trace is None:
-            raise RuntimeError("tracing is off: create the prefetcher with trace=True (or set GPUFEED_TRACE=1)")
+            raise RuntimeError("tracing is off: create the prefetcher with trace=True "
+                               "(or set GPUFEED_TRACE=1)")
         return self._trace.write(path)
 
     # -- resumption --------------------------------------------------------------------------------

@@ -100,7 +100,8 @@ class PinnedPool:
         """
         while True:
             if not self.available:
-                raise PinnedUnavailable("pinned_budget is 0" if self.budget == 0 else "pinned allocation failed")
+                why = "pinned_budget is 0" if self.budget == 0 else "pinned allocation failed"
+                raise PinnedUnavailable(why)
             buf = self.try_acquire(nbytes)
             if buf is not None:
                 return buf

@@ -37,15 +37,15 @@ class PrefetchStats:
         return self.wait_s / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
-    def h2d_GBps(self) -> float:  # noqa: N802 - GB/s reads better than gbps
+    def h2d_GBps(self) -> float:
         return self.bytes / self.copy_s / 1e9 if self.copy_s > 0 else 0.0
 
     @property
-    def stage_GBps(self) -> float:  # noqa: N802
+    def stage_GBps(self) -> float:
         return self.staged_bytes / self.stage_s / 1e9 if self.stage_s > 0 else 0.0
 
     @property
-    def throughput_GBps(self) -> float:  # noqa: N802
+    def throughput_GBps(self) -> float:
         return self.bytes / self.wall_s / 1e9 if self.wall_s > 0 else 0.0
 
     @property

@@ -11,7 +11,6 @@ import numpy as np
 
 from .base import Field
 
-
 #: Opt-in fast path for shuffled batches (see ``Runs.scattered``); read once at import.
 MMAP_GATHER = os.environ.get("GPUFEED_MMAP_GATHER", "0") not in ("", "0", "false", "no")
 
