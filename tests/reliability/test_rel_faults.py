@@ -129,15 +129,16 @@ def test_source_file_truncated_mid_epoch(disk, device):
         check_epoch(got, disk.data, plan(), complete=False)
         assert len(got) < 15
         msg = str(info.value)
-        if disk.kind == "h5-gzip":  # h5py's own error: it does not name the file (docs/reliability.md)
-            assert "read" in msg
+        if disk.kind == "h5-gzip":  # h5py's error, wrapped: names the file and the check to run
+            assert str(disk.late_file) in msg and "h5dump" in msg
         else:
             assert f"short read from {disk.late_file}" in msg and "recreate the source" in msg
         with pytest.raises(OSError):  # the file stays short: every later epoch fails too, clearly
             for _ in pf:
                 pass
     stopped()
-    what = "h5py OSError (no file name)" if disk.kind == "h5-gzip" else "OSError 'short read from <file>'"
+    what = "OSError naming the file (h5py's error wrapped)" if disk.kind == "h5-gzip" else (
+        "OSError 'short read from <file>'")
     note(f"{what} after an exact prefix; the next epoch fails the same way")
 
 

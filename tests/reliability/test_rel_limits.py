@@ -209,8 +209,9 @@ def test_low_open_files_limit_multi_file_raw_source(tmp_path):
 
     res = _in_child(child)
     assert res.get("error") == "OSError" and res["errno"] == errno.EMFILE, res
-    assert "Too many open files" in res["message"] and str(tmp_path) in res["message"], res
+    assert "too many open files" in res["message"] and str(tmp_path) in res["message"], res
+    assert "ulimit -n" in res["message"], res  # the fix
     assert "threads" not in res and res["after"] is True, res
     checked(8)
     note(f"OSError(EMFILE) in the consumer: '{res['message'].replace(str(tmp_path), '<dir>')}' (names the "
-         "file, no hint to raise the limit); reads again once the limit is raised")
+         "file and the fix); reads again once the limit is raised")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -268,7 +269,15 @@ class FileDescriptors(_PerProcess):
     """Read-only OS file descriptors, for ``os.preadv`` (positional, so one fd serves every thread)."""
 
     def _open(self, path: str) -> int:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise OSError(exc.errno, f"cannot open {path}: too many open files (this process keeps one "
+                              "descriptor per source file); raise the limit (ulimit -n, or "
+                              "resource.setrlimit(RLIMIT_NOFILE)) or concatenate the files "
+                              "(gpufeed convert)") from exc
+            raise
 
     def _close(self, handle: int) -> None:
         os.close(handle)

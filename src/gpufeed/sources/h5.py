@@ -203,8 +203,15 @@ class H5Source:
                 pread_exact(self._fds.get(ext.file), dest, ext.offset + r * rn, self._paths[ext.file])
                 continue
             src = np.s_[ext.row0 + r : ext.row0 + r + k]
-            with _H5PY_LOCK:
-                self._h5.dataset(ext.file, ext.dataset).read_direct(arr, src, np.s_[o : o + k])
+            try:
+                with _H5PY_LOCK:
+                    self._h5.dataset(ext.file, ext.dataset).read_direct(arr, src, np.s_[o : o + k])
+            except OSError as exc:  # h5py's own message names neither the file nor a fix
+                path = self._paths[ext.file]
+                msg = (f"reading rows {ext.row0 + r}..{ext.row0 + r + k - 1} of dataset '{ext.dataset}' of "
+                       f"{path} through h5py failed ({exc}); the file may be truncated or damaged: check it "
+                       "with h5dump, or recreate it")
+                raise (OSError(exc.errno, msg) if exc.errno else OSError(msg)) from exc
 
     def close(self) -> None:
         """Close this process's file descriptors and h5py files (a later ``read`` reopens). Idempotent."""
