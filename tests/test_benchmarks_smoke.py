@@ -42,3 +42,19 @@ def test_bench_prefetcher_smoke(tmp_path: Path) -> None:
             assert ("step_over_compute" in row) == (workload == "unpinned_compute")
     assert rows[("unpinned", "gpufeed")]["wait_source"] == "pf.stats"
     assert len(doc["targets"]) == len(bench.TARGETS)
+
+
+def test_plot_results_draws_every_committed_result(tmp_path):
+    import importlib.util
+    import shutil
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    for f in (bench / "results").glob("*-nvidia-*.json"):
+        shutil.copy(f, tmp_path / f.name)
+    spec = importlib.util.spec_from_file_location("plot_results", bench / "plot_results.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    written = mod.main(["--smoke", str(tmp_path)])
+    assert {p.stem.split("-", 1)[0] for p in written} == {"prefetcher", "sources", "tabpfn"}
+    assert all(p.stat().st_size > 10_000 for p in written)

@@ -61,6 +61,9 @@ def results_markdown() -> str:
     parts = []
     for f in files:
         body = _demote(f.read_text().strip(), by=3)
+        chart = f.with_suffix(".png")
+        if chart.exists():  # drawn by benchmarks/plot_results.py, added to the site by on_files
+            body = f"![{f.stem}](results/{chart.name})\n\n{body}"
         # Links between result files point outside the docs: keep the text, name the file.
         body = _RELATIVE_LINK.sub(lambda m: f"{m[1]} (`benchmarks/results/{m[2]}`)", body)
         parts.append(f"### `benchmarks/results/{f.name}`\n\n{body}\n")
@@ -82,6 +85,15 @@ def _demote(markdown: str, by: int) -> str:
             line = "#" * min(6, len(m[1]) + by) + line[len(m[1]):]
         out.append(line)
     return "\n".join(out)
+
+
+def on_files(files: Any, config: Any, **kwargs: Any) -> Any:
+    """Publish the committed result charts under ``results/`` of the site."""
+    from mkdocs.structure.files import File
+
+    for png in sorted(RESULTS.glob("*.png")) if RESULTS.is_dir() else []:
+        files.append(File.generated(config, f"results/{png.name}", abs_src_path=str(png)))
+    return files
 
 
 def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
