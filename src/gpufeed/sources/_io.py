@@ -10,7 +10,8 @@ import threading
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -382,3 +383,29 @@ def _reset_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_in_child)
+
+
+class HostFileSource:
+    """What RawSource and H5Source share: their fields, file list and length, read into host memory."""
+
+    _fields: dict[str, Field]
+    _paths: list[str]
+    _len: int
+
+    @property
+    def fields(self) -> Mapping[str, Field]:
+        """The fields, by name."""
+        return MappingProxyType(self._fields)
+
+    @property
+    def reads_to(self) -> Literal["host"]:
+        """Always ``"host"``: reads land in host memory (pinned, when the prefetcher owns it)."""
+        return "host"
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The files the source reads, in sample order."""
+        return tuple(self._paths)
+
+    def __len__(self) -> int:
+        return self._len

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dc_field
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from gpufeed._extras import require
 from ._io import (
     FileDescriptors,
     FileMaps,
+    HostFileSource,
     PathLike,
     _PerProcess,
     as_paths,
@@ -62,7 +63,7 @@ class _Found:
     extents: list[Extent] = dc_field(default_factory=list)
 
 
-class H5Source:
+class H5Source(HostFileSource):
     """Fixed-shape samples from HDF5 datasets (one dataset per field, first axis = samples).
 
     How each dataset is read depends on its storage layout, chosen once when the source is made:
@@ -137,21 +138,6 @@ class H5Source:
         self._h5 = _H5Files(self._paths)
 
     @property
-    def fields(self) -> Mapping[str, Field]:
-        """The fields, by name."""
-        return MappingProxyType(self._fields)
-
-    @property
-    def reads_to(self) -> Literal["host"]:
-        """Always ``"host"``: reads land in host memory (pinned, when the prefetcher owns it)."""
-        return "host"
-
-    @property
-    def files(self) -> tuple[str, ...]:
-        """The HDF5 files, in sample order."""
-        return tuple(self._paths)
-
-    @property
     def paths_taken(self) -> Mapping[str, str]:
         """Per field: ``"contiguous"`` or ``"chunked"`` (by byte offset), ``"h5py"``, or ``"mixed"``
         when the files differ (see ``describe()``)."""
@@ -168,9 +154,6 @@ class H5Source:
             lines.append(f"field '{name}' {tuple(f.shape)} {f.dtype}, {self._len} samples")
             lines += [f"  {os.path.basename(p)}: {reason}" for p, _, reason in self._how[name]]
         return "\n".join(lines)
-
-    def __len__(self) -> int:
-        return self._len
 
     def read(self, rows: Rows, out: Mapping[str, torch.Tensor]) -> None:
         """Write ``rows`` of every field into ``out[name][: len(rows)]``, in the order of ``rows``.

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -14,6 +13,7 @@ from . import _manifest
 from ._io import (
     FileDescriptors,
     FileMaps,
+    HostFileSource,
     PathLike,
     as_paths,
     check_file,
@@ -29,7 +29,7 @@ from .base import Field, Rows
 FieldSpec = PathLike | Sequence[PathLike] | Mapping[str, Any]
 
 
-class RawSource:
+class RawSource(HostFileSource):
     """Fixed-shape samples stored back to back in raw binary files, ``.npy`` files or a gpufeed manifest.
 
     Each field is one file, or several files concatenated along samples; all fields have the same number
@@ -130,24 +130,6 @@ class RawSource:
         self._where = f"RawSource({os.path.basename(paths[0])}{', ...' if len(paths) > 1 else ''})"
         self._fds = FileDescriptors(paths)
         self._maps = FileMaps(paths)
-
-    @property
-    def fields(self) -> Mapping[str, Field]:
-        """The fields, by name."""
-        return MappingProxyType(self._fields)
-
-    @property
-    def reads_to(self) -> Literal["host"]:
-        """Always ``"host"``: reads land in host memory (pinned, when the prefetcher owns it)."""
-        return "host"
-
-    @property
-    def files(self) -> tuple[str, ...]:
-        """Every file the source reads."""
-        return tuple(self._paths)
-
-    def __len__(self) -> int:
-        return self._len
 
     def read(self, rows: Rows, out: Mapping[str, torch.Tensor]) -> None:
         """Write ``rows`` of every field into ``out[name][: len(rows)]``, in the order of ``rows``.
