@@ -8,6 +8,7 @@ import os
 import queue
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -340,6 +341,8 @@ def _produce(batches: Iterable[Any], copier: Copier, q: queue.SimpleQueue, slots
     except BaseException as exc:  # forwarded with its traceback; re-raised in the consumer
         q.put(_worker.Failure(exc))
     finally:
+        if isinstance(it, types.GeneratorType):
+            it.close()  # runs its cleanup now (a source epoch returns the buffers of reads started ahead)
         del it  # a DataLoader iterator shuts its workers down here
         copier.finish()
 
