@@ -68,3 +68,21 @@ def test_regions_are_aligned_for_every_dtype():
     offsets, nbytes = regions(src.fields, 7)
     assert all(o % 64 == 0 for o in offsets.values())
     assert nbytes >= sum(7 * f.sample_nbytes for f in src.fields.values())
+
+
+def test_views_are_cached_per_buffer_and_layout():
+    src = ArraySource()
+    copier, ex = fake_copier(1 << 20, 4096)
+    plan = plan_batches(len(src), 10)
+    chain = _Chain(src, plan)
+    try:
+        for i in range(3):  # same layout three times: the views are made once per buffer
+            b = chain.get(i)
+            out = {k: torch.empty((len(b.rows), *f.shape), dtype=f.dtype) for k, f in src.fields.items()}
+            b._read_staged(copier, out, STOP)
+            assert np.array_equal(out["y"].numpy(), np.arange(i * 10, i * 10 + 10))
+        cached = [len(buf.views) for buf in copier.pool._free]
+        assert cached and max(cached) == 1
+    finally:
+        chain.cancel()
+        ex.shutdown()

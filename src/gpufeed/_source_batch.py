@@ -85,7 +85,7 @@ class SourceBatch:
             buf = pool.acquire(nbytes, stop) if block and not self._entries else pool.try_acquire(nbytes)
             if buf is None:
                 return False
-            jobs = self._bind(buf.tensor, offsets, r0, pieces)  # every view made before any read starts
+            jobs = self._bind(buf, offsets, r0, pieces)  # every view made before any read starts
             if copier.pipeline.trace is not None:
                 jobs = [_traced(copier.pipeline.trace, j) for j in jobs]
             self._entries.append((self._plan[self._next], buf, [executor.submit(j) for j in jobs]))
@@ -187,16 +187,27 @@ class SourceBatch:
             plan.append((r0, r0 + k, offsets, nbytes, self._pieces(r0, r0 + k, row_bytes, copier)))
         return plan
 
-    def _bind(self, buf: torch.Tensor, offsets: dict[str, int], r0: int,
-              pieces: list[tuple[int, int]]) -> list[Any]:
-        fields, read, jobs = self.source.fields, self.source.read, []
-        for a, b in pieces:
-            views = {}
-            for k, f in fields.items():
-                base = offsets[k] + (a - r0) * f.sample_nbytes
-                views[k] = buf[base : base + (b - a) * f.sample_nbytes].view(f.dtype).view(b - a, *f.shape)
-            jobs.append(functools.partial(read, self.rows[a:b], views))
-        return jobs
+    def _bind(self, buf: Any, offsets: dict[str, int], r0: int, pieces: list[tuple[int, int]]) -> list[Any]:
+        """One read job per piece, each with its views into ``buf``. The views are cached on the buffer
+        per layout: consecutive batches of one size reuse them, so binding costs no torch call (each
+        drops and retakes the GIL that the readers and the training loop want)."""
+        fields, read = self.source.fields, self.source.read
+        key = (tuple(offsets.values()), tuple((a - r0, b - a) for a, b in pieces),
+               tuple((k, f.dtype, f.shape) for k, f in fields.items()))
+        views = buf.views.get(key)
+        if views is None:
+            views = []
+            for a, b in pieces:
+                piece = {}
+                for k, f in fields.items():
+                    base = offsets[k] + (a - r0) * f.sample_nbytes
+                    t = buf.tensor[base : base + (b - a) * f.sample_nbytes]
+                    piece[k] = t.view(f.dtype).view(b - a, *f.shape)
+                views.append(piece)
+            if len(buf.views) >= 4:  # a few layouts (full batch, last batch, ...) at most
+                buf.views.clear()
+            buf.views[key] = views
+        return [functools.partial(read, self.rows[a:b], v) for (a, b), v in zip(pieces, views, strict=True)]
 
     # -- shutdown ----------------------------------------------------------------------------------
 

@@ -40,10 +40,11 @@ class PinnedUnavailable(RuntimeError):
 
 
 class _Buffer:
-    __slots__ = ("busy", "event", "tensor")
+    __slots__ = ("busy", "event", "tensor", "views")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
+        self.views: dict[Any, Any] = {}  # typed views into this buffer, cached by their user
         self.event: torch.cuda.Event | None = None  # recorded behind the last copy that read this buffer
         self.busy = False  # an event was recorded and has not been seen complete
 
