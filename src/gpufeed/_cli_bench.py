@@ -245,8 +245,8 @@ def write_dataset(path: str, rows: int) -> str:
             b = min(rows, a + block)
             x[a:b] = pattern[: b - a]
             y[a:b] = np.arange(a, b, dtype=np.int64)
-    # Finish the write-back now: dirty pages still being flushed to disk slowed every method's reads to
-    # the disk's speed (about 3 GB/s for all of them on an H200 machine), measuring the disk, not reads.
+    # Finish the write-back before timing, so no method's reads compete with it. (On an H200 machine
+    # every method still ran at about 3 GB/s with this in place: write-back was not why; see issue 4.)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
