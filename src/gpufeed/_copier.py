@@ -44,7 +44,6 @@ class Delivered:
     event: torch.cuda.Event | None = None
     fresh: list[torch.Tensor] = field(default_factory=list)  # device tensors this prefetcher allocated
     state: Any = None
-    index: int = 0
     event_device: torch.device | None = None
 
     def handover(self, expected: torch.cuda.Stream | None) -> Any:
@@ -100,7 +99,7 @@ class Copier:
         if self.trace is not None:
             name = "read+copy" if read is not None else "stage+copy"
             self.trace.add(name, int(t0 * 1e9), int(time.perf_counter() * 1e9), "gpufeed-fetch", batch=index)
-        out.state, out.index = state, index
+        out.state = state
         if self.stream is not None:
             out.event_device = self.device
             for t in out.fresh:

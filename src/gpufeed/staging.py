@@ -243,28 +243,26 @@ class ChunkPipeline:
         self.threads: int = executor._max_workers  # reads per batch are split so every worker has one
 
     def run(self, chunks: Sequence[Chunk], stop: threading.Event) -> None:
-        # pending entries: [chunk, buffer, futures]. Worker fills (packed small tensors) are submitted
-        # before the next inline torch copy starts, so they run while it runs.
-        pending: collections.deque[list[Any]] = collections.deque()
+        # pending entries: (chunk, buffer, futures of its worker fills). Worker fills (packed small
+        # tensors) are submitted as soon as they have a buffer, so they run while the next inline
+        # torch copy runs.
+        pending: collections.deque[tuple[Chunk, _Buffer, list[Future]]] = collections.deque()
         todo = collections.deque(chunks)
         try:
             while todo or pending:
-                bound = []
-                while todo and len(pending) + len(bound) < self.max_in_flight:
+                while todo and len(pending) < self.max_in_flight:
                     # Block for a buffer only when nothing is in flight; else copy what is ready first.
                     nbytes = todo[0].nbytes
-                    waiting = pending or bound
-                    buf = self.pool.try_acquire(nbytes) if waiting else self.pool.acquire(nbytes, stop)
+                    buf = self.pool.try_acquire(nbytes) if pending else self.pool.acquire(nbytes, stop)
                     if buf is None:
                         break
                     chunk = todo.popleft()
                     if chunk.src is not None:  # torch's parallel copy, GIL released; then straight to H2D
-                        self._submit(bound, pending)  # worker fills already planned run meanwhile
                         buf.tensor[: chunk.nbytes].copy_(chunk.src)
                         self._copy(chunk, buf)
                         continue
-                    bound.append([chunk, buf, self._bind(chunk, buf.tensor)])
-                self._submit(bound, pending)
+                    futs = [self.executor.submit(job) for job in self._jobs(chunk, buf.tensor)]
+                    pending.append((chunk, buf, futs))
                 if not pending:
                     continue
                 chunk, buf, futs = pending[0]
@@ -280,13 +278,7 @@ class ChunkPipeline:
                     _result(fut, None, swallow=True)
                 self.pool.release(buf, None)
 
-    def _submit(self, bound: list[list[Any]], pending: collections.deque[list[Any]]) -> None:
-        for entry in bound:
-            entry[2] = [self.executor.submit(job) for job in entry[2]]
-            pending.append(entry)
-        bound.clear()
-
-    def _bind(self, chunk: Chunk, buf: torch.Tensor) -> list[Callable[[], None]]:
+    def _jobs(self, chunk: Chunk, buf: torch.Tensor) -> list[Callable[[], None]]:
         jobs = [functools.partial(f, buf) for f in chunk.fills]
         return jobs if self.trace is None else [_traced(self.trace, job) for job in jobs]
 
