@@ -221,3 +221,24 @@ def test_fields_of_odd_row_sizes(device, chunk_bytes):
     assert sorted(ys) == list(range(77))
     for k in ("a", "h"):
         assert np.array_equal(torch.cat([b[k] for b in got]).numpy(), src.arrays[k][ys])
+
+
+def test_a_transform_may_change_the_structure_of_source_batches(device):
+    # The tensors to fence are taken from the transform's output, whatever its structure (a tuple here).
+    with CudaPrefetcher(ArraySource(), device=device, batch_size=10,
+                        transform=lambda b: (b["x"] * 2, b["y"] + 1)) as pf:
+        got = [(x.cpu(), y.cpu()) for x, y in pf]
+    assert torch.equal(torch.cat([y for _, y in got]), torch.arange(1, 104))
+    assert torch.equal(torch.cat([x for x, _ in got]), torch.from_numpy(ArraySource().arrays["x"]) * 2)
+
+
+def test_seal_fences_the_tensors_of_the_transform_output():
+    from types import SimpleNamespace
+
+    from gpufeed._copier import Copier
+
+    copier = Copier(torch.device("cpu"), None, SimpleNamespace(), SimpleNamespace(), None,
+                    lambda b: [b["x"] + 1, "tag", {"z": b["x"]}])
+    out = copier.seal({"x": torch.zeros(2)}, [], None)
+    assert [t.tolist() for t in out.fresh] == [[1.0, 1.0], [0.0, 0.0]]
+    assert out.batch[1] == "tag"

@@ -112,11 +112,7 @@ class Copier:
         leaves, rebuild = flatten(raw)
         moved = [t if t.device.type == "cpu" else t.cpu() for t in leaves]
         self.stats.add(bytes=sum(t.numel() * t.element_size() for t in moved))
-        batch = rebuild(moved)
-        if self.transform is not None:
-            with _nvtx.range("gpufeed.transform"):
-                batch = self.transform(batch)
-        return Delivered(batch)
+        return self.seal(rebuild(moved), [], None)
 
     # -- CUDA path ---------------------------------------------------------------------------------
 
@@ -166,13 +162,21 @@ class Copier:
                     for src, dst in staged_leaves:
                         dst.copy_(src)
             stage_s = time.perf_counter() - t0
-            batch = rebuild(out)
-            if self.transform is not None:
-                with _nvtx.range("gpufeed.transform"):
-                    batch = self.transform(batch)
-                fresh = [t for t in flatten(batch)[0] if t.device == self.device]
-            event = self._end(start, keep)
+            delivered = self.seal(rebuild(out), fresh, start, keep)
         self.stats.add(bytes=nbytes, staged_bytes=staged, stage_s=stage_s if chunks else 0.0)
+        return delivered
+
+    def seal(self, batch: Any, fresh: list[torch.Tensor], start: torch.cuda.Event | None,
+             keep: list[torch.Tensor] | None = None) -> Delivered:
+        """Apply the transform (on the copy stream, when called inside it) and record the batch's event.
+
+        With a transform, the device tensors to fence are those of its output, whatever its structure.
+        """
+        if self.transform is not None:
+            with _nvtx.range("gpufeed.transform"):
+                batch = self.transform(batch)
+            fresh = [t for t in flatten(batch)[0] if t.device == self.device]
+        event = self._end(start, keep or []) if start is not None else None
         return Delivered(batch, event, fresh)
 
     def _pinned_ok(self) -> bool:

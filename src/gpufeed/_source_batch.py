@@ -16,6 +16,7 @@ batch is waiting for. At most one batch is read ahead into pinned memory beyond 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
 from typing import Any
@@ -97,7 +98,7 @@ class SourceBatch:
         n = len(self.rows)
         host = copier.stream is None or getattr(self.source, "reads_to", "host") == "device"
         dev = copier.device if copier.stream is not None else torch.device("cpu")
-        with torch.cuda.stream(copier.stream) if copier.stream is not None else _Null():
+        with torch.cuda.stream(copier.stream) if copier.stream is not None else contextlib.nullcontext():
             start = copier._begin() if copier.stream is not None else None
             out = {k: torch.empty((n, *f.shape), dtype=f.dtype, device=dev) for k, f in fields.items()}
             if host:  # the CPU path, or a source that reads straight into device memory (GDS)
@@ -113,13 +114,9 @@ class SourceBatch:
                     self._read_pageable(copier, out, stop)
             else:
                 self._read_pageable(copier, out, stop)
-            batch: Any = out
-            if copier.transform is not None:
-                batch = copier.transform(batch)
-            fresh = [t for t in (batch.values() if isinstance(batch, dict) else []) if t.device == dev]
-            event = copier._end(start, []) if start is not None else None
+            delivered = copier.seal(out, list(out.values()), start)
         copier.stats.add(bytes=n * sum(f.sample_nbytes for f in fields.values()))
-        return Delivered(batch, event, fresh)
+        return delivered
 
     def _read_staged(self, copier: Copier, out: dict[str, torch.Tensor], stop: threading.Event) -> None:
         started = self.start(copier, stop, block=True)
@@ -225,11 +222,3 @@ class SourceBatch:
             self._finish(futs)
             if self._copier is not None:
                 self._copier.pool.release(buf, None)
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: object) -> None:
-        return None
