@@ -27,3 +27,12 @@ def card_name(device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu"
     return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+
+
+def targets_table(targets: list[dict], digits: int = 3) -> list[str]:
+    """The markdown lines of the targets table (``target``, ``value``, ``met``) every benchmark ends with."""
+    lines = ["| target | value | met |", "| --- | ---: | --- |"]
+    for t in targets:
+        value = "-" if t["value"] is None else f"{t['value']:.{digits}f}"
+        lines.append(f"| {t['target']} | {value} | {'yes' if t['met'] else 'NO'} |")
+    return lines

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by a test
-from _common import card_name, pick_device  # noqa: E402
+from _common import card_name, pick_device, targets_table  # noqa: E402
 
 try:
     import gpufeed
@@ -631,9 +631,7 @@ def markdown(doc: dict[str, Any]) -> str:
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     lines += [_md_row(r) for r in doc["rows"]]
-    lines += ["", "| target | value | met |", "| --- | ---: | --- |"]
-    lines += [f"| {t['target']} | {_fmt(t['value'], '.3f')} | {'yes' if t['met'] else 'NO'} |"
-              for t in doc["targets"]]
+    lines += ["", *targets_table(doc["targets"])]
     return "\n".join(lines) + "\n"
 
 

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by a test
-from _common import card_name, pick_device  # noqa: E402
+from _common import card_name, pick_device, targets_table  # noqa: E402
 
 try:
     import gpufeed
@@ -707,10 +707,7 @@ def markdown(doc: dict[str, Any]) -> str:
         frac = f"{r['frac_of_ceiling']:.2f}" if "frac_of_ceiling" in r else "-"
         cells = [r["workload"], r["cache"], r["method"], gbps, frac, str(r.get("verified", "-")), notes]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| target | value | met |", "| --- | ---: | --- |"]
-    for t in doc["targets"]:
-        value = f"{t['value']:.2f}" if t["value"] is not None else "-"
-        lines.append(f"| {t['target']} | {value} | {'yes' if t['met'] else 'NO'} |")
+    lines += ["", *targets_table(doc["targets"], digits=2)]
     return "\n".join(lines) + "\n"
 
 

@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by a test
-from _common import card_name, pick_device  # noqa: E402
+from _common import card_name, pick_device, targets_table  # noqa: E402
 import torch.nn.functional as F
 from torch import nn
 
@@ -742,11 +742,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         f"First-step loss equal across methods (same model, seed and batch): {doc['first_loss_equal']}.",
         "",
-        "| target | value | met |",
-        "| --- | ---: | --- |",
+        *targets_table(doc["targets"]),
     ]
-    for t in doc["targets"]:
-        lines.append(f"| {t['target']} | {_fmt(t['value'], '.3f')} | {'yes' if t['met'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
