@@ -43,7 +43,8 @@ def rate(loader: list, **kw) -> tuple[float, float]:
             for _ in pf:
                 pass
         torch.cuda.synchronize()
-        return round(2 * len(loader) * 64 * MiB / (time.perf_counter() - t0) / 1e9, 1), round(pf.stats.stage_GBps, 1)
+        gbps = 2 * len(loader) * 64 * MiB / (time.perf_counter() - t0) / 1e9
+        return round(gbps, 1), round(pf.stats.stage_GBps, 1)
 
 
 def pin_loop(data: list) -> float:

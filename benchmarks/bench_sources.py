@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by a test
-from _common import card_name, pick_device, targets_table  # noqa: E402
+from _common import card_name, pick_device, targets_table
 
 try:
     import gpufeed

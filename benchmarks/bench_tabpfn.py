@@ -59,8 +59,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by a test
-from _common import card_name, pick_device, targets_table  # noqa: E402
 import torch.nn.functional as F
+from _common import card_name, pick_device, targets_table
 from torch import nn
 
 try:

@@ -41,8 +41,8 @@ def plot_prefetcher(d: dict, ax_list) -> None:
 
 def plot_sources(d: dict, ax_list) -> None:
     for ax, cache in zip(ax_list, ("warm", "cold"), strict=True):
-        rows = [r for r in d["rows"] if r.get("cache") == cache and r.get("GBps") and not r["method"].endswith("_read16")
-                and r.get("workload") != "compute"]
+        rows = [r for r in d["rows"] if r.get("cache") == cache and r.get("GBps")
+                and not r["method"].endswith("_read16") and r.get("workload") != "compute"]
         _bars(ax, [f"{r['workload']}: {r['method']}" for r in rows], [r["GBps"] for r in rows],
               [_color(r["method"]) for r in rows], "GB/s")
         ax.set_title(f"{cache} page cache", fontsize=9)
