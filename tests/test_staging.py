@@ -78,10 +78,11 @@ def test_small_tensors_are_packed_and_copied_exactly():
     from gpufeed.staging import plan_small_chunks
 
     g = torch.Generator().manual_seed(0)
-    srcs = [torch.randint(0, 1 << 30, (k,), generator=g, dtype=torch.int32) for k in (1, 3, 1000, 4097, 20000)]
+    sizes = (1, 3, 1000, 4097, 20000)
+    srcs = [torch.randint(0, 1 << 30, (k,), generator=g, dtype=torch.int32) for k in sizes]
     srcs.append(torch.rand(33, 7, generator=g).to(torch.bfloat16))
     dsts = [torch.empty_like(s) for s in srcs]
-    chunks = plan_small_chunks(list(zip(srcs, dsts)), chunk_bytes=16 << 10)  # forces several packs
+    chunks = plan_small_chunks(list(zip(srcs, dsts, strict=True)), chunk_bytes=16 << 10)  # forces several packs
     assert len(chunks) > 1 and all(c.nbytes <= (16 << 10) + 64 or len(c.fills) == 1 for c in chunks)
     big = torch.randint(0, 256, (100_000,), dtype=torch.uint8)
     big_dst = torch.empty_like(big)
@@ -92,3 +93,39 @@ def test_small_tensors_are_packed_and_copied_exactly():
     assert all(torch.equal(s, d) for s, d in zip(srcs, dsts))
     assert torch.equal(big, big_dst)
     assert len(pool._free) == pool.allocations
+
+
+class _InFlight:
+    """A stand-in for a CUDA event whose copy completes when ``done`` is set."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def record(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_pool_waits_for_a_buffer_in_flight_rather_than_grow_past_the_hot_set():
+    pool = PinnedPool(budget=1 << 20, chunk_bytes=16 << 10, pin=False)
+    assert pool.hot_bytes == 4 * (16 << 10)
+    bufs = [pool.acquire(16 << 10, STOP) for _ in range(4)]
+    events = []
+    for buf in bufs:  # each released behind a copy that has not completed yet
+        buf.event = _InFlight()
+        buf.busy = True
+        events.append(buf.event)
+        pool.release(buf, None)
+    assert pool.try_acquire(16 << 10, hot=True) is None  # the budget has room, but the hot set is full
+    assert pool.allocations == 4
+    events[2].done = True
+    assert pool.try_acquire(16 << 10, hot=True) is bufs[2]  # the first copy to complete frees its buffer
+    grown = pool.try_acquire(16 << 10)  # without hot (source reads), the pool grows within its budget
+    assert grown is not None and pool.allocations == 5
+    big = pool.try_acquire(64 << 10, hot=True)  # nothing in flight could serve this one: it is allocated
+    assert big is not None and big.nbytes == 64 << 10 and pool.allocations == 6
