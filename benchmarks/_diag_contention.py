@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -22,7 +23,7 @@ SIZE = 64 * MiB
 def cudart() -> ctypes.CDLL:
     torch.cuda.init()
     torch.empty(1, device="cuda")
-    for line in open("/proc/self/maps"):
+    for line in Path("/proc/self/maps").read_text().splitlines():
         if "libcudart" in line:
             return ctypes.CDLL(line.split()[-1])
     raise RuntimeError("libcudart not loaded")
@@ -56,6 +57,7 @@ def h2d_fn(src, dst, stream):
             for _ in range(8):
                 dst.copy_(src, non_blocking=True)
         stream.synchronize()
+
     return f, 8 * src.numel()
 
 
@@ -65,6 +67,7 @@ def stage_fn(srcs, dst):
     def f():
         dst.copy_(srcs[i[0] % len(srcs)])
         i[0] += 1
+
     return f, dst.numel()
 
 
@@ -84,8 +87,11 @@ def concurrent(label, pinned_src, stage_dst, srcs):
     th.join()
     both_s = n * sb / t / 1e9
     both_h = box["h"][0] * hb / box["h"][1] / 1e9
-    print(f"{label}: alone h2d {alone_h:.1f} stage {alone_s:.1f} | together h2d {both_h:.1f} stage {both_s:.1f}",
-          flush=True)
+    print(
+        f"{label}: alone h2d {alone_h:.1f} stage {alone_s:.1f} | "
+        f"together h2d {both_h:.1f} stage {both_s:.1f}",
+        flush=True,
+    )
 
 
 def e2e(label, slots, srcs, chunk=SIZE):
@@ -103,9 +109,9 @@ def e2e(label, slots, srcs, chunk=SIZE):
                 events[j].synchronize()
             t1 = time.perf_counter()
             for o in range(0, SIZE, chunk):
-                slots[j][o:o + chunk].copy_(srcs[i % len(srcs)][o:o + chunk])
+                slots[j][o : o + chunk].copy_(srcs[i % len(srcs)][o : o + chunk])
                 with torch.cuda.stream(stream):
-                    dev[i % 4][o:o + chunk].copy_(slots[j][o:o + chunk], non_blocking=True)
+                    dev[i % 4][o : o + chunk].copy_(slots[j][o : o + chunk], non_blocking=True)
             t2 = time.perf_counter()
             with torch.cuda.stream(stream):
                 ev = torch.cuda.Event()
@@ -119,8 +125,11 @@ def e2e(label, slots, srcs, chunk=SIZE):
     t0 = time.perf_counter()
     run()
     wall = time.perf_counter() - t0
-    print(f"e2e {label}: {64 * SIZE / wall / 1e9:.1f} GB/s  wait {tw[0] / wall:.0%} stage+issue "
-          f"{64 * SIZE / tw[1] / 1e9:.1f} GB/s", flush=True)
+    print(
+        f"e2e {label}: {64 * SIZE / wall / 1e9:.1f} GB/s  wait {tw[0] / wall:.0%} stage+issue "
+        f"{64 * SIZE / tw[1] / 1e9:.1f} GB/s",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -149,8 +158,11 @@ def main() -> None:
     e2e("normal pinned ring", [torch.empty(SIZE, dtype=torch.uint8, pin_memory=True) for _ in range(4)], srcs)
     e2e("write-combined ring", [host_alloc(SIZE, 4) for _ in range(4)], srcs)
     torch.set_num_threads(8)
-    e2e("normal pinned ring, 8 threads", [torch.empty(SIZE, dtype=torch.uint8, pin_memory=True) for _ in range(4)],
-        srcs)
+    e2e(
+        "normal pinned ring, 8 threads",
+        [torch.empty(SIZE, dtype=torch.uint8, pin_memory=True) for _ in range(4)],
+        srcs,
+    )
     e2e("write-combined ring, 8 threads", [host_alloc(SIZE, 4) for _ in range(4)], srcs)
 
 

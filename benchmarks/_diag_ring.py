@@ -7,38 +7,65 @@ the copy that read it completed) and copies each piece to the device; prints end
 staging rate alone. On an H200 machine (300 MiB L3, pinned ceiling 55 GB/s): 4 x 16 MiB 54.7 GB/s,
 8 x 32 MiB 43, and 4 x 64 MiB (run by _diag_contention.py) 35.
 """
-import sys, time, torch, subprocess
+
+import subprocess
+import sys
+import time
+
+import torch
+
 sys.path.insert(0, "benchmarks")
 from _diag_contention import SIZE, MiB
-print(subprocess.run("lscpu | grep -i -E 'cache|model name|socket|numa'", shell=True, capture_output=True, text=True).stdout)
+
 
 def ring(chunk, nslots, srcs, dma=True):
     slots = [torch.zeros(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(nslots)]
     stream = torch.cuda.Stream()
     dev = [torch.empty(SIZE, dtype=torch.uint8, device="cuda") for _ in range(4)]
     events = [None] * nslots
+
     def run(n=64):
         c = 0
         for i in range(n):
             src = srcs[i % len(srcs)]
             for o in range(0, SIZE, chunk):
-                j = c % nslots; c += 1
+                j = c % nslots
+                c += 1
                 if events[j] is not None:
                     events[j].synchronize()
-                slots[j].copy_(src[o:o + chunk])
+                slots[j].copy_(src[o : o + chunk])
                 if dma:
                     with torch.cuda.stream(stream):
-                        dev[i % 4][o:o + chunk].copy_(slots[j], non_blocking=True)
-                        ev = torch.cuda.Event(); ev.record(stream)
+                        dev[i % 4][o : o + chunk].copy_(slots[j], non_blocking=True)
+                        ev = torch.cuda.Event()
+                        ev.record(stream)
                     events[j] = ev
         torch.cuda.synchronize()
+
     run(8)
-    t0 = time.perf_counter(); run(); wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    run()
+    wall = time.perf_counter() - t0
     return round(64 * SIZE / wall / 1e9, 1)
 
-srcs = [torch.full((SIZE,), i, dtype=torch.uint8) for i in range(16)]
-for th in (16, 12):
-    torch.set_num_threads(th)
-    for chunk in (4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB):
-        for ns in (2, 3, 4, 8):
-            print(f"{th} threads chunk {chunk >> 20} MiB x {ns} slots: e2e {ring(chunk, ns, srcs)} stage-only {ring(chunk, ns, srcs, dma=False)}", flush=True)
+
+def main():
+    print(
+        subprocess.run(
+            "lscpu | grep -i -E 'cache|model name|socket|numa'", shell=True, capture_output=True, text=True
+        ).stdout
+    )
+    srcs = [torch.full((SIZE,), i, dtype=torch.uint8) for i in range(16)]
+    for th in (16, 12):
+        torch.set_num_threads(th)
+        for chunk in (4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB):
+            for ns in (2, 3, 4, 8):
+                print(
+                    f"{th} threads chunk {chunk >> 20} MiB x {ns} slots: e2e {ring(chunk, ns, srcs)} "
+                    f"stage-only {ring(chunk, ns, srcs, dma=False)}",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_prefetcher as bp  # noqa: E402
+import bench_prefetcher as bp
 
-from gpufeed import CudaPrefetcher  # noqa: E402
-import gpufeed._copier as copier_mod  # noqa: E402
+import gpufeed._copier as copier_mod
+from gpufeed import CudaPrefetcher
 
 MiB = 1 << 20
 N = 64
@@ -34,11 +34,24 @@ def flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def info() -> None:
-    print("cpus", os.cpu_count(), "affinity", len(os.sched_getaffinity(0)), "torch threads", torch.get_num_threads(),
-          "interop", torch.get_num_interop_threads(), "libc", platform.libc_ver(), flush=True)
+    print(
+        "cpus",
+        os.cpu_count(),
+        "affinity",
+        len(os.sched_getaffinity(0)),
+        "torch threads",
+        torch.get_num_threads(),
+        "interop",
+        torch.get_num_interop_threads(),
+        "libc",
+        platform.libc_ver(),
+        flush=True,
+    )
     try:
-        model = [ln for ln in open("/proc/cpuinfo") if ln.startswith("model name")][0].strip()
-        print(model, "| thp", open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip(), flush=True)
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next(ln for ln in cpuinfo if ln.startswith("model name")).strip()
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+        print(model, "| thp", thp, flush=True)
     except OSError:
         pass
     print(torch.__config__.parallel_info(), flush=True)
@@ -65,14 +78,14 @@ def stage_only(data) -> None:
         for i in range(N):
             off = 0
             for t in [xs[i % 24], *smalls[i % 24]]:
-                pinned[off: off + t.numel()].copy_(t)
+                pinned[off : off + t.numel()].copy_(t)
                 off += t.numel()
 
     def torch_smalls():
         for i in range(N):
             off = 0
             for t in smalls[i % 24]:
-                pinned[off: off + t.numel()].copy_(t)
+                pinned[off : off + t.numel()].copy_(t)
                 off += t.numel()
 
     def memmove_1(parts_fn):
@@ -82,6 +95,7 @@ def stage_only(data) -> None:
                 for t in parts_fn(i):
                     ctypes.memmove(pinned.data_ptr() + off, t.data_ptr(), t.numel())
                     off += t.numel()
+
         return run
 
     def threads_k(k):
@@ -100,6 +114,7 @@ def stage_only(data) -> None:
                 lo, hi = n * j // k // 64 * 64, (n * (j + 1) // k // 64 * 64 if j < k - 1 else n)
                 ctypes.memmove(pinned.data_ptr() + lo, x.data_ptr() + lo, hi - lo)
                 bar.wait()
+
         ts = [threading.Thread(target=worker, args=(j,), daemon=True) for j in range(k)]
         for t in ts:
             t.start()
@@ -113,6 +128,7 @@ def stage_only(data) -> None:
         def close():
             stop[0] = True
             bar.wait()
+
         return run, close
 
     def rate(fn, nbytes_per):
@@ -123,13 +139,34 @@ def stage_only(data) -> None:
 
     xb = xs[0].numel()
     sb = sum(t.numel() for t in smalls[0])
-    print("stage-only torch x main", rate(torch_x, xb), "thread", run_in_thread(lambda: rate(torch_x, xb)), flush=True)
-    print("stage-only torch smalls main", rate(torch_smalls, sb), "thread",
-          run_in_thread(lambda: rate(torch_smalls, sb)), flush=True)
-    print("stage-only torch all main", rate(torch_all, BATCH), "thread",
-          run_in_thread(lambda: rate(torch_all, BATCH)), flush=True)
-    print("stage-only memmove1 x", rate(memmove_1(lambda i: [xs[i % 24]]), xb),
-          "smalls", rate(memmove_1(lambda i: smalls[i % 24]), sb), flush=True)
+    print(
+        "stage-only torch x main",
+        rate(torch_x, xb),
+        "thread",
+        run_in_thread(lambda: rate(torch_x, xb)),
+        flush=True,
+    )
+    print(
+        "stage-only torch smalls main",
+        rate(torch_smalls, sb),
+        "thread",
+        run_in_thread(lambda: rate(torch_smalls, sb)),
+        flush=True,
+    )
+    print(
+        "stage-only torch all main",
+        rate(torch_all, BATCH),
+        "thread",
+        run_in_thread(lambda: rate(torch_all, BATCH)),
+        flush=True,
+    )
+    print(
+        "stage-only memmove1 x",
+        rate(memmove_1(lambda i: [xs[i % 24]]), xb),
+        "smalls",
+        rate(memmove_1(lambda i: smalls[i % 24]), sb),
+        flush=True,
+    )
     for k in (4, 8, 12, 16):
         run, close = threads_k(k)
         print(f"stage-only memmove {k} threads x", rate(run, xb), flush=True)
@@ -168,18 +205,19 @@ def e2e_torch(data, chunk=None):
                     src = flat(v)
                     n = src.numel()
                     if chunk is None or n <= chunk:
-                        buf[off: off + n].copy_(src)
-                        flat(out[k]).copy_(buf[off: off + n], non_blocking=True)
+                        buf[off : off + n].copy_(src)
+                        flat(out[k]).copy_(buf[off : off + n], non_blocking=True)
                     else:
                         for o in range(0, n, chunk):
                             m = min(chunk, n - o)
-                            buf[off + o: off + o + m].copy_(src[o: o + m])
-                            flat(out[k])[o: o + m].copy_(buf[off + o: off + o + m], non_blocking=True)
+                            buf[off + o : off + o + m].copy_(src[o : o + m])
+                            flat(out[k])[o : o + m].copy_(buf[off + o : off + o + m], non_blocking=True)
                     off += -(-n // 64) * 64
                 ev = torch.cuda.Event()
                 ev.record(stream)
                 ring.events[j] = ev
         torch.cuda.synchronize()
+
     return run
 
 
@@ -194,10 +232,12 @@ def e2e_rate(fn):
 def gpufeed_rate(data, **kw):
     loader = [data[i % 24] for i in range(N)]
     with CudaPrefetcher(loader, depth=3, **kw) as pf:
+
         def run():
             for _ in pf:
                 pass
             torch.cuda.synchronize()
+
         return e2e_rate(run), round(pf.stats.stage_GBps, 1)
 
 
@@ -205,10 +245,20 @@ def main() -> None:
     info()
     data = bp.make_batches(24, BATCH)
     stage_only(data)
-    print("e2e torch per-tensor main", e2e_rate(e2e_torch(data)),
-          "thread", run_in_thread(lambda: e2e_rate(e2e_torch(data))), flush=True)
-    print("e2e torch chunk16 thread", run_in_thread(lambda: e2e_rate(e2e_torch(data, 16 * MiB))),
-          "chunk32", run_in_thread(lambda: e2e_rate(e2e_torch(data, 32 * MiB))), flush=True)
+    print(
+        "e2e torch per-tensor main",
+        e2e_rate(e2e_torch(data)),
+        "thread",
+        run_in_thread(lambda: e2e_rate(e2e_torch(data))),
+        flush=True,
+    )
+    print(
+        "e2e torch chunk16 thread",
+        run_in_thread(lambda: e2e_rate(e2e_torch(data, 16 * MiB))),
+        "chunk32",
+        run_in_thread(lambda: e2e_rate(e2e_torch(data, 32 * MiB))),
+        flush=True,
+    )
     print("gpufeed default", gpufeed_rate(data), flush=True)
     copier_mod.SMALL_LEAF_BYTES = 0
     print("gpufeed no small packing", gpufeed_rate(data), flush=True)
