@@ -47,13 +47,17 @@ def test_acquire_gives_up_when_stopped():
         pool.acquire(1, stop)
 
 
+@pytest.mark.parametrize("fill_bytes", [None, 4096, 5000], ids=["torch", "threads", "threads-odd"])
 @pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 100_000, 1 << 20])
-def test_pipeline_copies_every_byte(nbytes):
+def test_pipeline_copies_every_byte(nbytes, fill_bytes):
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     dst = torch.empty_like(src)
     pool = PinnedPool(budget=64 << 10, chunk_bytes=16 << 10, pin=False)
+    chunks = plan_leaf_chunks(src, dst, 16 << 10, fill_bytes)
+    if fill_bytes is not None:  # memmove pieces on the workers, none bigger than fill_bytes
+        assert all(c.src is None and len(c.fills) == -(-c.nbytes // fill_bytes) for c in chunks)
     with ThreadPoolExecutor(4) as ex:
-        ChunkPipeline(pool, ex, None, max_in_flight=8).run(plan_leaf_chunks(src, dst, 16 << 10), STOP)
+        ChunkPipeline(pool, ex, None, max_in_flight=8).run(chunks, STOP)
     assert torch.equal(src, dst)
     assert pool.allocated <= 64 << 10
 
@@ -82,7 +86,8 @@ def test_small_tensors_are_packed_and_copied_exactly():
     srcs = [torch.randint(0, 1 << 30, (k,), generator=g, dtype=torch.int32) for k in sizes]
     srcs.append(torch.rand(33, 7, generator=g).to(torch.bfloat16))
     dsts = [torch.empty_like(s) for s in srcs]
-    chunks = plan_small_chunks(list(zip(srcs, dsts, strict=True)), chunk_bytes=16 << 10)  # forces several packs
+    pairs = list(zip(srcs, dsts, strict=True))
+    chunks = plan_small_chunks(pairs, chunk_bytes=16 << 10)  # forces several packs
     assert len(chunks) > 1 and all(c.nbytes <= (16 << 10) + 64 or len(c.fills) == 1 for c in chunks)
     big = torch.randint(0, 256, (100_000,), dtype=torch.uint8)
     big_dst = torch.empty_like(big)
@@ -129,3 +134,16 @@ def test_pool_waits_for_a_buffer_in_flight_rather_than_grow_past_the_hot_set():
     assert grown is not None and pool.allocations == 5
     big = pool.try_acquire(64 << 10, hot=True)  # nothing in flight could serve this one: it is allocated
     assert big is not None and big.nbytes == 64 << 10 and pool.allocations == 6
+
+
+def test_stage_copy_setting_is_checked():
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "GPUFEED_STAGE_COPY": "bogus"}
+    r = subprocess.run([sys.executable, "-c", "import gpufeed"], env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "GPUFEED_STAGE_COPY must be 'torch' or 'threads', got 'bogus'" in r.stderr
+    env["GPUFEED_STAGE_COPY"] = "threads"
+    r = subprocess.run([sys.executable, "-c", "import gpufeed.staging as s; print(s.STAGE_COPY)"], env=env,
+                       capture_output=True, text=True)
+    assert r.stdout.strip() == "threads"

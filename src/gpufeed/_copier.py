@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from gpufeed import _nvtx
+from gpufeed import _nvtx, staging
 from gpufeed._tracing import TraceRecorder
 from gpufeed._tree import flatten
 from gpufeed.staging import (
@@ -148,7 +148,8 @@ class Copier:
                     if n <= SMALL_LEAF_BYTES:
                         small.append((src, dst))
                     else:
-                        chunks += plan_leaf_chunks(src, dst, self.pool.chunk_bytes)
+                        fill = self.pool.fill_bytes if staging.STAGE_COPY == "threads" else None
+                        chunks += plan_leaf_chunks(src, dst, self.pool.chunk_bytes, fill)
                     staged += n
                 else:
                     dst.copy_(t)  # pageable fallback, still off the consumer's thread

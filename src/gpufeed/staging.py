@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
+import os
 import threading
 import time
 import warnings
@@ -234,11 +235,32 @@ def split(total: int, piece: int) -> list[tuple[int, int]]:
     return [(off, min(piece, total - off)) for off in range(0, total, piece)]
 
 
-def plan_leaf_chunks(src: torch.Tensor, dst: torch.Tensor, chunk_bytes: int) -> list[Chunk]:
-    """Chunks that stage the contiguous host tensor ``src`` into device tensor ``dst``, byte for byte."""
+#: How pageable tensors are copied into pinned buffers: ``torch`` (one torch ``copy_`` per chunk on the
+#: background thread, torch's OpenMP threads) or ``threads`` (``memmove`` pieces on gpufeed's worker
+#: threads). ``GPUFEED_STAGE_COPY`` picks; see docs/tuning.md for when ``threads`` is faster.
+STAGE_COPY = os.environ.get("GPUFEED_STAGE_COPY", "torch").strip().lower() or "torch"
+if STAGE_COPY not in ("torch", "threads"):
+    raise ValueError(f"GPUFEED_STAGE_COPY must be 'torch' or 'threads', got {STAGE_COPY!r}")
+
+
+def plan_leaf_chunks(src: torch.Tensor, dst: torch.Tensor, chunk_bytes: int,
+                     fill_bytes: int | None = None) -> list[Chunk]:
+    """Chunks that stage the contiguous host tensor ``src`` into device tensor ``dst``, byte for byte.
+
+    With ``fill_bytes``, each chunk is filled by worker-thread ``memmove`` pieces of that size;
+    otherwise by one torch copy on the calling thread.
+    """
     dst_bytes, src_bytes = byte_view(dst), byte_view(src)
-    return [Chunk(n, [], [(dst_bytes[off : off + n], 0, n)], src=src_bytes[off : off + n])
-            for off, n in split(src.numel() * src.element_size(), chunk_bytes)]
+    chunks = []
+    for off, n in split(src.numel() * src.element_size(), chunk_bytes):
+        copies = [(dst_bytes[off : off + n], 0, n)]
+        if fill_bytes is None:
+            chunks.append(Chunk(n, [], copies, src=src_bytes[off : off + n]))
+        else:
+            base = src.data_ptr() + off
+            fills = [memcpy_fill(base + o, o, m) for o, m in split(n, fill_bytes)]
+            chunks.append(Chunk(n, fills, copies))
+    return chunks
 
 
 class ChunkPipeline:
