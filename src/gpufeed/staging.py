@@ -32,7 +32,7 @@ import torch
 from gpufeed._worker import Stopped
 
 MiB = 1 << 20
-DEFAULT_CHUNK_BYTES = 32 * MiB  # 16 MiB cost source reads 20% on an H200 machine; staging is as fast (_diag_ring)
+DEFAULT_CHUNK_BYTES = 32 * MiB  # 16 MiB cost source reads 20% on an H200; staging is as fast (_diag_ring)
 HOT_CHUNKS = 4  # the pool grows past this many chunks only when no buffer in flight could serve
 DEFAULT_PINNED_BUDGET = 512 * MiB
 
