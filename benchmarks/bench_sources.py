@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -586,9 +587,11 @@ def compute_rows(cfg: Config, data: Data, rows: list[dict[str, Any]], makers: di
     reads serialize with the default stream would show about 1 + 1/1.2.
     """
     warm = {r["method"]: r for r in rows if (r["workload"], r["cache"]) == ("raw", "warm") and "GBps" in r}
-    # Few big kernels (about 1.5 ms each on an H200), like a training step: hundreds of small launches
+    # Few big kernels (about 0.2 ms each on an H200), like a training step: hundreds of small launches
     # would measure how fast the consumer thread gets the GIL past 16 reader threads, not the overlap.
-    a = torch.randn(8192, 8192, device=cfg.device, dtype=torch.bfloat16) / 90.0
+    # (8192-wide ones took 1.5 ms: on a fast host one of them was all of a batch's 1.2x, so the
+    # compute came out at 1.1x the read time and the ratio measured the rounding.)
+    a = torch.randn(4096, 4096, device=cfg.device, dtype=torch.bfloat16) / 64.0
     one = _time_matmuls(a, 2, cfg) / 2
     steps = len(_bounds(cfg.rows, cfg.batch_rows))
     out = []
@@ -596,7 +599,7 @@ def compute_rows(cfg: Config, data: Data, rows: list[dict[str, Any]], makers: di
         if make is None or method not in warm:
             continue
         batch_s = warm[method]["seconds"] / steps
-        reps = max(1, round(COMPUTE_OVER_COPY * batch_s / one))
+        reps = max(1, math.ceil(COMPUTE_OVER_COPY * batch_s / one))
 
         def step(t: torch.Tensor, reps: int = reps) -> None:
             x = a + t[:1].float().mean()  # the step reads the batch
