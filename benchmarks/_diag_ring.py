@@ -5,21 +5,27 @@
 Stages 64 MiB pageable batches in `chunk`-sized pieces through `slots` pinned buffers (each reused once
 the copy that read it completed) and copies each piece to the device; prints end-to-end GB/s and the
 staging rate alone. On an H200 machine (300 MiB L3, pinned ceiling 55 GB/s): 4 x 16 MiB 54.7 GB/s,
-8 x 32 MiB 43, and 4 x 64 MiB (run by _diag_contention.py) 35.
+8 x 32 MiB 43, and 4 x 64 MiB 35 (_diag_contention.py, which reuses ``ring`` with its own slots).
 """
 
 import subprocess
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, "benchmarks")
-from _diag_contention import SIZE, MiB
+MiB = 1 << 20
+SIZE = 64 * MiB  # one batch
 
 
-def ring(chunk, nslots, srcs, dma=True):
-    slots = [torch.zeros(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(nslots)]
+def ring(chunk, nslots, srcs, dma=True, slots=None):
+    """End-to-end GB/s of 64 batches staged in ``chunk`` pieces through ``nslots`` pinned buffers.
+
+    ``slots``: the buffers to use (each at least ``chunk`` bytes), e.g. write-combined ones; default
+    ``nslots`` fresh pinned buffers. ``dma=False`` times the staging copies alone.
+    """
+    if slots is None:
+        slots = [torch.zeros(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(nslots)]
+    nslots = len(slots)
     stream = torch.cuda.Stream()
     dev = [torch.empty(SIZE, dtype=torch.uint8, device="cuda") for _ in range(4)]
     events = [None] * nslots
@@ -33,10 +39,10 @@ def ring(chunk, nslots, srcs, dma=True):
                 c += 1
                 if events[j] is not None:
                     events[j].synchronize()
-                slots[j].copy_(src[o : o + chunk])
+                slots[j][: min(chunk, SIZE - o)].copy_(src[o : o + chunk])
                 if dma:
                     with torch.cuda.stream(stream):
-                        dev[i % 4][o : o + chunk].copy_(slots[j], non_blocking=True)
+                        dev[i % 4][o : o + chunk].copy_(slots[j][: min(chunk, SIZE - o)], non_blocking=True)
                         ev = torch.cuda.Event()
                         ev.record(stream)
                     events[j] = ev

@@ -204,14 +204,10 @@ def e2e_torch(data, chunk=None):
                 for k, v in d.items():
                     src = flat(v)
                     n = src.numel()
-                    if chunk is None or n <= chunk:
-                        buf[off : off + n].copy_(src)
-                        flat(out[k]).copy_(buf[off : off + n], non_blocking=True)
-                    else:
-                        for o in range(0, n, chunk):
-                            m = min(chunk, n - o)
-                            buf[off + o : off + o + m].copy_(src[o : o + m])
-                            flat(out[k])[o : o + m].copy_(buf[off + o : off + o + m], non_blocking=True)
+                    for o in range(0, n, chunk or n):
+                        m = min(chunk or n, n - o)
+                        buf[off + o : off + o + m].copy_(src[o : o + m])
+                        flat(out[k])[o : o + m].copy_(buf[off + o : off + o + m], non_blocking=True)
                     off += -(-n // 64) * 64
                 ev = torch.cuda.Event()
                 ev.record(stream)

@@ -80,6 +80,8 @@ class Copier:
         self.stats = stats
         self.transform = transform
         self.trace = trace
+        # GPUFEED_STAGE_COPY=threads: big pageable leaves are filled by worker memmoves of this size
+        self._leaf_fill = pool.fill_bytes if staging.STAGE_COPY == "threads" else None
         self._timings: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event]] = collections.deque()
         self._retire: collections.deque[tuple[torch.cuda.Event, list[torch.Tensor]]] = collections.deque()
 
@@ -148,8 +150,7 @@ class Copier:
                     if n <= SMALL_LEAF_BYTES:
                         small.append((src, dst))
                     else:
-                        fill = self.pool.fill_bytes if staging.STAGE_COPY == "threads" else None
-                        chunks += plan_leaf_chunks(src, dst, self.pool.chunk_bytes, fill)
+                        chunks += plan_leaf_chunks(src, dst, self.pool.chunk_bytes, self._leaf_fill)
                     staged += n
                 else:
                     dst.copy_(t)  # pageable fallback, still off the consumer's thread
