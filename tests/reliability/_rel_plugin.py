@@ -37,7 +37,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         "module": item.module.__name__, "test": getattr(item, "originalname", item.name),
         "scenario": _doc(item.function), "cases": 0, "gpu_cases": 0,
         "outcomes": collections.Counter(), "batches": 0, "mismatches": 0, "bytes": 0, "seconds": 0.0,
-        "notes": [],
+        "notes": [], "failures": [],
     })
     entry["cases"] += 1
     entry["gpu_cases"] += "cuda" in item.keywords
@@ -54,6 +54,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     old = _OUTCOME.get(report.nodeid)
     if report.failed:
         _OUTCOME[report.nodeid] = "failed"
+        key = _ITEM_KEY.get(report.nodeid)
+        if key in _RESULTS:  # keep why it failed: a GPU run's output is often all that comes back
+            crash = getattr(report.longrepr, "reprcrash", None)
+            why = crash.message if crash is not None else str(report.longrepr)[-2000:]
+            _RESULTS[key]["failures"].append(f"{report.nodeid} ({report.when}): {why}")
     elif report.skipped and old != "failed":
         _OUTCOME[report.nodeid] = "skipped"
     elif report.when == "call" and report.passed and old is None:

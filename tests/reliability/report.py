@@ -44,6 +44,7 @@ def run_suite(i: int, extra: list[str]) -> dict:
            "no:cacheprovider", *extra]
     print(f"run {i + 1}: {' '.join(cmd)}", flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    (HERE / f"last_run_{i}.log").write_text(proc.stdout + proc.stderr)  # the whole output, failures included
     tail = proc.stdout.strip().splitlines()[-1:] or [proc.stderr[-500:]]
     print("  " + tail[0], flush=True)
     doc = json.loads(out.read_text())
@@ -144,6 +145,9 @@ def block(runs: list[dict], kind: str) -> str:
         f"over the {len(runs)} runs; **mismatches: {mism}**.",
         "* Last pytest line of each run: " + "; ".join(f"`{r['summary']}`" for r in runs),
     ]
+    fails = [f for r in runs for t in r["tests"].values() for f in t.get("failures", [])]
+    if fails:
+        head += ["* Failures, as pytest reported them:", *(f"  * `{f.splitlines()[0][:400]}`" for f in fails)]
     return "\n".join(head) + "\n" + table(runs) + "\n"
 
 

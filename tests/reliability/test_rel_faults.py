@@ -194,6 +194,8 @@ def test_source_file_truncated_between_shuffled_batches(kind, gather, tmp_path):
     disk = OnDisk(kind, tmp_path)
     plan = plan_batches(disk.n, BS, shuffle=True)
 
+    seen = tmp_path / "child-saw.txt"  # what the child saw, for the failure message
+
     def child():
         import gpufeed.sources._layout as layout
 
@@ -209,12 +211,18 @@ def test_source_file_truncated_between_shuffled_batches(kind, gather, tmp_path):
                 for b in it:
                     got.append(keep(b))
             except OSError as exc:
+                seen.write_text(f"{type(exc).__name__}: {exc} after {len(got)} batches")
                 check_epoch(got, disk.data, plan, complete=False)
                 return 3 if f"short read from {disk.late_file}" in str(exc) else 4
+            except BaseException as exc:
+                seen.write_text(f"{type(exc).__name__}: {exc} after {len(got)} batches")
+                raise
+        seen.write_text(f"no error after {len(got)} batches")
         return 0
 
     status = _child_status(child)
-    assert status == 3, f"child ended with {status} (3: the OSError naming the file)"
+    saw = seen.read_text() if seen.exists() else "nothing written"
+    assert status == 3, f"child ended with {status} (3: the OSError naming the file); it saw: {saw}"
     checked(3)
     note("OSError 'short read from <file>' after exact batches (in a forked child)")
 
