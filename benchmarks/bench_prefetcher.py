@@ -88,6 +88,7 @@ class Config:
     out: Path
     profile: bool
     smoke: bool
+    methods: tuple[str, ...] = METHODS
 
     @property
     def cuda(self) -> bool:
@@ -107,13 +108,19 @@ def parse_args(argv: list[str] | None) -> Config:
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available; cpu with --smoke)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU by default: checks the script runs")
     p.add_argument("--profile", action="store_true", help="also write a torch.profiler trace of gpufeed")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated subset of {', '.join(METHODS)} (default: all)")
     a = p.parse_args(argv)
+    methods = tuple(m for m in METHODS if m in a.methods.split(","))
+    if not methods or set(a.methods.split(",")) - set(METHODS):
+        raise SystemExit(f"--methods: a comma-separated subset of {', '.join(METHODS)}, got {a.methods!r}")
     sizes = SMOKE if a.smoke else FULL
     pick = {k: sizes[k] if getattr(a, k) is None else getattr(a, k) for k in sizes}
     return Config(device=pick_device(a.device, a.smoke), batch_bytes=_batch_bytes(pick["batch_mib"]),
                   batches=_positive("batches", pick["batches"]), iters=_positive("iters", pick["iters"]),
                   reps=_positive("reps", pick["reps"]), depth=_positive("depth", a.depth),
-                  num_threads=a.num_threads, out=a.out, profile=a.profile, smoke=a.smoke)
+                  num_threads=a.num_threads, out=a.out, profile=a.profile, smoke=a.smoke,
+                  methods=methods)
 
 
 def _positive(name: str, value: int) -> int:
@@ -488,7 +495,7 @@ def summarize(workload: str, name: str, epochs: list[Epoch], ok: bool, ctx: dict
 def run_workload(workload: str, batches: list[Batch], expected: list[list[int]], step: Callable[[Batch], Any],
                  ctx: dict[str, Any], cfg: Config) -> list[dict[str, Any]]:
     rows = []
-    for name in METHODS:
+    for name in cfg.methods:
         with nvtx(f"{workload}/{name}", cfg):
             rows.append(_run_method(workload, name, Cycle(batches, cfg.iters), step, expected, ctx, cfg))
         print(_progress(rows[-1]), flush=True)

@@ -520,14 +520,17 @@ def measure(cfg: Config, method: Method, expect: dict[str, dict[str, np.ndarray]
     stats = method.prefetcher.stats if method.prefetcher is not None else None
     wait0 = stats.wait_s if stats is not None else 0.0
     input_s = 0.0
+    ends = []  # each step's end: trainer.step reads the loss, so it ends when the GPU finished the step
     t0 = time.perf_counter()
     for _ in range(cfg.steps):
         t = time.perf_counter()
         x, y = next(it)
         input_s += time.perf_counter() - t
         trainer.step(x, y)
+        ends.append(time.perf_counter())
     sync(cfg)
     seconds = time.perf_counter() - t0
+    steps_ms = sorted((b - a) * 1e3 for a, b in zip([t0, *ends[:-1]], ends, strict=True))
     verified &= _same_bytes(x, expect["last"]["x"]) and _same_bytes(y, expect["last"]["y"])
     losses = trainer.loss_values()
     nbytes = cfg.steps * cfg.batch_size * cfg.sample_bytes
@@ -538,6 +541,9 @@ def measure(cfg: Config, method: Method, expect: dict[str, dict[str, np.ndarray]
         GBps=nbytes / seconds / 1e9,
         bytes=nbytes,
         input_fraction=input_s / seconds,
+        step_ms_p50=steps_ms[len(steps_ms) // 2],
+        step_ms_p90=steps_ms[int(len(steps_ms) * 0.9)],
+        step_ms_max=steps_ms[-1],
         stall_fraction=(stats.wait_s - wait0) / seconds if stats is not None else None,
         verified=bool(verified),
         first_loss=losses[0],
@@ -744,9 +750,9 @@ def markdown(doc: dict[str, Any]) -> str:
         f"TransformerEncoder over the {c['rows']} rows ({c['heads']} heads, ff {c['ff']}), {amp}AdamW, "
         f"{loss}. Prefetcher depth {c['depth']}, DataLoader workers {c['workers']}. GDS: {d.get('gds')}.",
         "",
-        "| method | seconds | s/step | samples/s | GB/s | over ideal | input wait | stall | verified "
-        "| notes |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+        "| method | seconds | s/step | step ms p50 / p90 / max | samples/s | GB/s | over ideal | input wait "
+        "| stall | verified | notes |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for r in doc["rows"]:
         notes = r.get("error") or r.get("skipped") or r.get("notes", "")
@@ -755,6 +761,7 @@ def markdown(doc: dict[str, Any]) -> str:
             _fmt(r.get("seconds"), ".2f") + (f" ({', '.join(f'{t:.2f}' for t in r['runs_s'])})"
                                              if len(r.get("runs_s", [])) > 1 else ""),
             _fmt(r.get("s_per_step"), ".4f"),
+            " / ".join(_fmt(r.get(f"step_ms_{q}"), ".1f") for q in ("p50", "p90", "max")),
             _fmt(r.get("samples_per_s"), ".1f"),
             _fmt(r.get("GBps"), ".3f"),
             _fmt(r.get("over_ideal"), ".3f"),

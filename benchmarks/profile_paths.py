@@ -66,7 +66,9 @@ def source_path(tmp: Path, res: dict) -> None:
     def ceiling() -> None:
         for a in range(0, rows - batch, batch):
             step = -(-batch * rb // 16)
-            list(ex.map(lambda o: real(fd, [mv[o : o + step]], off + a * rb + o), range(0, batch * rb, step)))
+            base = off + a * rb
+            list(ex.map(lambda o, base=base, step=step: real(fd, [mv[o : o + step]], base + o),
+                        range(0, batch * rb, step)))
 
     src = RawSource(path)
     out = pinned.view(batch, *sample)
@@ -74,7 +76,8 @@ def source_path(tmp: Path, res: dict) -> None:
     def via_source() -> None:
         step = -(-batch // 16)
         for a in range(0, rows - batch, batch):
-            list(ex.map(lambda r: src.read(range(a + r, a + r + step), {"x": out[r : r + step]}), range(0, batch, step)))
+            list(ex.map(lambda r, a=a: src.read(range(a + r, a + r + step), {"x": out[r : r + step]}),
+                        range(0, batch, step)))
 
     nb = (rows // batch - 1) * batch * rb
     res["pread16_pinned"] = rate(nb, ceiling)
@@ -131,8 +134,9 @@ def staging_path(res: dict) -> None:
                 for _ in pf:
                     pass
             res[f"gpufeed_unpinned_chunk{chunk // MiB}"] = rate(48 * n, ep)
-    print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items() if "copy" in k or "unpinned" in k},
-          flush=True)
+    shown = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()
+             if "copy" in k or "unpinned" in k}
+    print(shown, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

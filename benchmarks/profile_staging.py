@@ -83,17 +83,18 @@ def gpufeed_rate(chunk: int, threads: int, batch: int = 64 * MiB, n: int = 16, i
     data = [torch.randn(batch // 4) for _ in range(n)]
     loader = [data[i % n] for i in range(iters)]
     with CudaPrefetcher(loader, depth=3, chunk_bytes=chunk, num_threads=threads) as pf:
-        for b in pf:  # warm-up epoch: allocates the pool
+        for _b in pf:  # warm-up epoch: allocates the pool
             pass
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for b in pf:
+        for _b in pf:
             pass
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         s = pf.stats
     return {"chunk_mib": chunk / MiB, "threads": threads, "GBps": batch * iters / dt / 1e9,
-            "h2d_GBps_stat": s.h2d_GBps, "stage_GBps_stat": s.stage_GBps, "pool_mib": pf._pool.allocated / MiB}
+            "h2d_GBps_stat": s.h2d_GBps, "stage_GBps_stat": s.stage_GBps,
+            "pool_mib": pf._pool.allocated / MiB}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     card = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
     res: dict = {"card": card, "torch": torch.__version__, "cpus": len(__import__("os").sched_getaffinity(0))}
-    res["h2d"] = {f"{s // MiB}MiB": round(h2d(s * 1), 1) for s in (2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB, 64 * MiB)}
+    sizes = (2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB, 64 * MiB)
+    res["h2d"] = {f"{s // MiB}MiB": round(h2d(s * 1), 1) for s in sizes}
     print("pinned H2D GB/s by copy size:", res["h2d"], flush=True)
     res["memcpy"] = {t: round(memcpy(t), 1) for t in (8, 16)}
     print("pageable->pinned memcpy GB/s by threads:", res["memcpy"], flush=True)
@@ -116,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
         for threads in (16,):
             r = gpufeed_rate(chunk, threads)
             res["gpufeed"].append(r)
-            print("gpufeed", {k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
+            shown = {k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()}
+            print("gpufeed", shown, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"staging-profile-{card}.json").write_text(json.dumps(res, indent=1))

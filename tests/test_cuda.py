@@ -59,7 +59,7 @@ def test_kept_batches_stay_intact():
     with CudaPrefetcher(data, depth=2, chunk_bytes=64 << 10) as pf:
         kept = list(pf)
     torch.cuda.synchronize()
-    for b, d in zip(kept, data):
+    for b, d in zip(kept, data, strict=True):
         for k in ("x", "y", "m", "h"):
             assert torch.equal(b[k].cpu(), d[k]), k
 
@@ -82,7 +82,7 @@ def test_one_copy_stream_and_flat_memory_over_20_epochs():
     pf = CudaPrefetcher(data, depth=3)
     stream = pf._stream
     marks = []
-    for epoch in range(20):
+    for _epoch in range(20):
         for b in pf:
             torch.cuda._sleep(100_000)
             b["x"].sum()
@@ -108,11 +108,13 @@ def test_device_defaults_to_the_current_cuda_device_and_transform_runs_there():
 
 def test_pinned_budget_zero_falls_back_with_one_warning():
     data = host_batches(4, "unpinned", seed=5)
-    with pytest.warns(RuntimeWarning, match="pinned staging is off") as rec:
-        with CudaPrefetcher(data, pinned_budget=0) as pf:
-            got = list(pf)
+    with (
+        pytest.warns(RuntimeWarning, match="pinned staging is off") as rec,
+        CudaPrefetcher(data, pinned_budget=0) as pf,
+    ):
+        got = list(pf)
     assert len([w for w in rec if "pinned staging" in str(w.message)]) == 1
-    assert all(torch.equal(g["x"].cpu(), d["x"]) for g, d in zip(got, data))
+    assert all(torch.equal(g["x"].cpu(), d["x"]) for g, d in zip(got, data, strict=True))
 
 
 def test_large_batch_bigger_than_the_pinned_budget():

@@ -24,7 +24,8 @@ def _load(name: str) -> ModuleType:
 
 def test_every_example_is_tested():
     assert sorted(p.stem for p in EXAMPLES.glob("*.py")) == [
-        "cuda_graphs", "ddp", "gds_raw", "hdf5_to_gpu", "lightning_datamodule", "lightning_resume", "quickstart"]
+        "cuda_graphs", "ddp", "gds_raw", "hdf5_to_gpu", "lightning_datamodule", "lightning_resume",
+        "quickstart"]
     # ddp.py runs under torchrun in tests/test_distributed.py; lightning_resume.py in tests/test_lightning.py.
 
 

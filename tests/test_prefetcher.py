@@ -37,7 +37,8 @@ def batches(n, seed=0, rows=None):
     out = []
     for i in range(n):
         r = rows or rng.randint(1, 17)
-        out.append({"x": torch.randn(r, 5, generator=g), "y": torch.randint(0, 1000, (r,), generator=g), "i": i})
+        out.append({"x": torch.randn(r, 5, generator=g), "y": torch.randint(0, 1000, (r,), generator=g),
+                    "i": i})
     return out
 
 
@@ -49,7 +50,7 @@ def same(a, b):
     if isinstance(a, dict):
         return type(a) is type(b) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     if dataclasses.is_dataclass(a):
         return type(a) is type(b) and all(same(getattr(a, f.name), getattr(b, f.name))
                                           for f in dataclasses.fields(a))
@@ -105,7 +106,7 @@ def test_every_batch_exactly_once_in_order(n, depth, seed, delays):
             got.append(b)
     assert len(got) == n
     assert [b["i"] for b in got] == list(range(n))
-    assert all(same(a, b) for a, b in zip(data, got))
+    assert all(same(a, b) for a, b in zip(data, got, strict=True))
     assert pf.stats.batches == n
 
 
@@ -207,10 +208,12 @@ def test_transform_error_arrives_with_its_type(device):
         return b * 2
 
     got = []
-    with CudaPrefetcher([torch.tensor([i]) for i in range(6)], device=device, transform=transform) as pf:
-        with pytest.raises(ZeroDivisionError):
-            for b in pf:
-                got.append(b.item())
+    with (
+        CudaPrefetcher([torch.tensor([i]) for i in range(6)], device=device, transform=transform) as pf,
+        pytest.raises(ZeroDivisionError),
+    ):
+        for b in pf:
+            got.append(b.item())
     assert got == [0, 2, 4]
 
 
@@ -218,7 +221,8 @@ def test_transform_runs_on_each_batch(device):
     data = [torch.arange(4, dtype=torch.uint8) + i for i in range(3)]
     with CudaPrefetcher(data, device=device, transform=lambda t: t.float() * 0.5 - 1) as pf:
         got = [b.cpu() for b in pf]
-    assert all(torch.equal(g, d.float() * 0.5 - 1) for g, d in zip(got, data))  # exact in float32
+    # exact in float32
+    assert all(torch.equal(g, d.float() * 0.5 - 1) for g, d in zip(got, data, strict=True))
 
 
 # -- shutdown ------------------------------------------------------------------------------------

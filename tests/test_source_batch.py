@@ -39,7 +39,8 @@ def test_staged_reads_deliver_every_byte_and_return_every_buffer(budget, src_cls
             b = chain.get(i)
             out = {k: torch.empty((len(b.rows), *f.shape), dtype=f.dtype) for k, f in src.fields.items()}
             b._read_staged(copier, out, STOP)
-            idx = np.asarray(b.rows) if not isinstance(b.rows, range) else np.arange(b.rows.start, b.rows.stop)
+            idx = (np.asarray(b.rows) if not isinstance(b.rows, range)
+                   else np.arange(b.rows.start, b.rows.stop))
             for k, a in src.arrays.items():
                 assert np.array_equal(out[k].numpy(), a[idx]), (i, k)
         chain.cancel()

@@ -55,7 +55,7 @@ def test_source_batches_equal_the_plan(device, shuffle, depth):
             got = collect(pf)
             plan = plan_batches(len(src), 10, shuffle=shuffle, seed=4, epoch=epoch)
             assert len(got) == len(plan) == len(pf)
-            for b, rows in zip(got, plan):
+            for b, rows in zip(got, plan, strict=True):
                 idx = np.arange(rows.start, rows.stop) if isinstance(rows, range) else rows
                 assert np.array_equal(b["y"].numpy(), idx)
                 assert np.array_equal(b["x"].numpy(), src.arrays["x"][idx])
@@ -69,8 +69,8 @@ def test_shuffle_changes_per_epoch_and_set_epoch_repeats_it():
         e1 = [b["y"] for b in collect(pf)]
         pf.set_epoch(0)
         again = [b["y"] for b in collect(pf)]
-    assert not all(torch.equal(a, b) for a, b in zip(e0, e1))
-    assert all(torch.equal(a, b) for a, b in zip(e0, again))
+    assert not all(torch.equal(a, b) for a, b in zip(e0, e1, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(e0, again, strict=True))
     assert sorted(torch.cat(e0).tolist()) == list(range(103))
 
 
@@ -91,10 +91,12 @@ def test_ranks_share_the_data_disjointly(drop_last):
 
 def test_a_read_error_arrives_after_the_batches_before_it(device):
     got = []
-    with CudaPrefetcher(ArraySource(fail_at=45), device=device, batch_size=10) as pf:
-        with pytest.raises(OSError, match="row 45"):
-            for b in pf:
-                got.append(b["y"][0].item())
+    with (
+        CudaPrefetcher(ArraySource(fail_at=45), device=device, batch_size=10) as pf,
+        pytest.raises(OSError, match="row 45"),
+    ):
+        for b in pf:
+            got.append(b["y"][0].item())
     assert got == [0, 10, 20, 30]
 
 
@@ -196,7 +198,7 @@ def test_an_iter_that_is_never_advanced_does_not_count_as_an_epoch():
         first = [b["y"] for b in collect(pf)]
         assert pf.epoch == 0
     assert all(torch.equal(a, torch.from_numpy(np.asarray(r)))
-               for a, r in zip(first, plan_batches(103, 10, shuffle=True, seed=2, epoch=0)))
+               for a, r in zip(first, plan_batches(103, 10, shuffle=True, seed=2, epoch=0), strict=True))
 
 
 class OddSource(ArraySource):

@@ -95,7 +95,7 @@ def test_small_tensors_are_packed_and_copied_exactly():
     pool = PinnedPool(budget=256 << 10, chunk_bytes=16 << 10, pin=False)
     with ThreadPoolExecutor(3) as ex:
         ChunkPipeline(pool, ex, None, max_in_flight=8).run(chunks, STOP)
-    assert all(torch.equal(s, d) for s, d in zip(srcs, dsts))
+    assert all(torch.equal(s, d) for s, d in zip(srcs, dsts, strict=True))
     assert torch.equal(big, big_dst)
     assert len(pool._free) == pool.allocations
 

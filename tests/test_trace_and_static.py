@@ -13,7 +13,8 @@ def test_export_trace_has_every_batch_and_the_consumer_waits(tmp_path):
     with CudaPrefetcher(data, device="cpu", trace=True) as pf:
         list(pf)
         path = pf.export_trace(tmp_path / "t.json")
-    events = json.loads(open(path).read())["traceEvents"]
+    with open(path) as f:
+        events = json.loads(f.read())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
     assert sorted(e["args"]["batch"] for e in spans if e["name"] == "fetch") == list(range(7))  # + the end
     assert sorted(e["args"]["batch"] for e in spans if e["name"] == "stage+copy") == list(range(6))
@@ -22,7 +23,10 @@ def test_export_trace_has_every_batch_and_the_consumer_waits(tmp_path):
 
 
 def test_export_trace_needs_tracing_on(tmp_path):
-    with CudaPrefetcher([torch.zeros(1)], device="cpu") as pf, pytest.raises(RuntimeError, match="trace=True"):
+    with (
+        CudaPrefetcher([torch.zeros(1)], device="cpu") as pf,
+        pytest.raises(RuntimeError, match="trace=True"),
+    ):
         pf.export_trace(tmp_path / "t.json")
 
 
@@ -36,7 +40,7 @@ def test_static_batches_share_storage_and_pad_the_last(device):
             ptrs.add(item.batch["x"].data_ptr())
             seen.append((item.batch["x"].cpu().clone(), item.valid, item.batch["n"]))
     assert len(ptrs) == 1  # the same tensor every time
-    for (x, valid, n), d in zip(seen, data):
+    for (x, valid, n), d in zip(seen, data, strict=True):
         assert valid == d["x"].shape[0] and n == d["n"]
         assert torch.equal(x[:valid], d["x"])
         assert not x[valid:].any()
@@ -44,7 +48,10 @@ def test_static_batches_share_storage_and_pad_the_last(device):
 
 def test_static_rejects_a_batch_larger_than_the_first():
     data = [torch.zeros(2, 3), torch.zeros(5, 3)]
-    with CudaPrefetcher(data, device="cpu", static=True) as pf, pytest.raises(ValueError, match="first batch"):
+    with (
+        CudaPrefetcher(data, device="cpu", static=True) as pf,
+        pytest.raises(ValueError, match="first batch"),
+    ):
         list(pf)
 
 
