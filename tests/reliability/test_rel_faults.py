@@ -146,9 +146,16 @@ def _child_status(fn, timeout=30.0):
     """Run ``fn`` in a forked child (a SIGBUS there cannot kill pytest); its exit code or signal name."""
     import warnings
 
+    # Earlier cases' garbage (e.g. CUDA events in an exception's traceback) must not be collected in the
+    # child: freeing a CUDA object there aborts it ("CUDA error: initialization error"). Collect here, and
+    # freeze what is left so the child's collector never looks at the parent's objects.
+    gc.collect()
+    gc.freeze()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         pid = os.fork()
+    if pid != 0:
+        gc.unfreeze()
     if pid == 0:
         code = 99
         try:

@@ -205,3 +205,78 @@ def test_pinned_pool_flat_over_50_rounds():
     assert pool.allocated == 0
     note(f"pool flat at {seen[-1][0] >> 10} KiB ({seen[-1][1]} allocations, all in the first round) within "
          f"a {budget >> 10} KiB budget; cleared to 0")
+
+
+def _cyclic_garbage(run):
+    """The objects that only a GC pass would free after ``run()``: collected with the GC off, then found
+    by one collection that keeps what it finds (``gc.DEBUG_SAVEALL``)."""
+    gc.collect()
+    gc.disable()
+    try:
+        run()
+        wait_no_threads()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        found = list(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    return found
+
+
+def _held_by_cycles(found):
+    """Among ``found``: CUDA events and streams, tensors, and gpufeed's own objects."""
+    bad = []
+    for o in found:
+        t = type(o)
+        if (isinstance(o, (torch.Tensor, torch.cuda.Event, torch.cuda.Stream))
+                or t.__module__.startswith("gpufeed")):
+            bad.append(f"{t.__module__}.{t.__qualname__}")
+    return sorted(set(bad))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("end", ["complete", "break", "consumer error", "loader error", "source"])
+def test_no_reference_cycle_holds_device_objects(end, device, tmp_path):
+    """After an epoch ends (complete, ``break``, an error in the consumer or the loader, a source epoch)
+    and the prefetcher is closed, nothing of it waits for a GC pass: no event, stream, tensor or gpufeed
+    object sits in a reference cycle. (A CUDA object left for the GC is freed by whichever process
+    collects it; in a DataLoader worker forked later, that aborts the worker: ``CUDA error:
+    initialization error``, seen in this suite's forked children.)"""
+    data = [{"x": torch.full((64, 8), float(i)), "y": torch.arange(64) + i} for i in range(6)]
+
+    class Fails:
+        def __iter__(self):
+            yield data[0]
+            yield data[1]
+            raise KeyError("loader broke")
+
+    def run():
+        if end == "source":
+            disk = OnDisk("raw-multi", tmp_path)
+            src = disk.open()
+            pf = CudaPrefetcher(src, device=device, batch_size=16, shuffle=True)
+            got = [keep(b) for b in pf]
+            check_epoch(got, disk.data, plan_batches(disk.n, 16, shuffle=True))
+            pf.close()
+            src.close()
+            return
+        pf = CudaPrefetcher(Fails() if end == "loader error" else data, device=device, depth=2)
+        try:
+            for k, b in enumerate(pf):
+                assert torch.equal(b["x"].cpu(), data[k]["x"])
+                if end == "break" and k == 2:
+                    break
+                if end == "consumer error" and k == 1:
+                    raise ValueError("consumer broke")
+        except (KeyError, ValueError):
+            pass
+        pf.close()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    held = _held_by_cycles(_cyclic_garbage(run))
+    assert not held, f"left in reference cycles: {held}"
+    checked(1)
+    note("nothing of the prefetcher (no event, stream, tensor or gpufeed object) waits for a GC pass")
