@@ -142,8 +142,9 @@ def main() -> int:
         variants = [
             ("h5 2048 (as CLI bench)", dict()),
             ("h5 2048 one batch ahead", dict(ahead=1)),
-            ("h5 2048 no touch", dict(touch=False)),
+            ("h5 2048 min read 2 MiB", dict(min_read=2 * MiB)),
             ("h5 2048 min read 4 MiB", dict(min_read=4 * MiB)),
+            ("h5 2048 min read 4 MiB, one ahead", dict(min_read=4 * MiB, ahead=1)),
             ("h5 2048 read ahead 64 MiB", dict(ahead=64 * MiB)),
             ("h5 2048 16 threads", dict(threads=16)),
             ("h5 8192", dict(bs=8192)),
