@@ -87,34 +87,3 @@ def test_views_are_cached_per_buffer_and_layout():
     finally:
         chain.cancel()
         ex.shutdown()
-
-
-def test_small_batches_are_read_several_ahead_once_each(monkeypatch):
-    """A batch far smaller than the read-ahead budget starts the reads of several successors; each row
-    is still read exactly once, and ending the epoch mid-way returns every buffer."""
-    import gpufeed._source_batch as sb
-
-    src = ArraySource()
-    row = 3 * 4 * 4 + 8
-    monkeypatch.setattr(sb, "READ_AHEAD_BYTES", 3 * 10 * row)  # three batches of 10 rows
-    reads = []
-    real = src.read
-    monkeypatch.setattr(src, "read", lambda rows, out: (reads.extend(rows), real(rows, out)))
-    copier, ex = fake_copier(1 << 20, 4096)
-    plan = plan_batches(len(src), 10)
-    chain = _Chain(src, plan)
-    try:
-        for i in range(6):
-            b = chain.get(i)
-            out = {k: torch.empty((len(b.rows), *f.shape), dtype=f.dtype) for k, f in src.fields.items()}
-            b._read_staged(copier, out, STOP)
-            assert np.array_equal(out["y"].numpy(), np.arange(i * 10, i * 10 + 10))
-            ahead = [k for k, v in chain._made.items() if k > i and v._entries]
-            assert ahead == [i + 1, i + 2, i + 3], (i, ahead)  # three batches' reads in flight
-        for fut in [f for v in chain._made.values() for _, _, fs in v._entries for f in fs]:
-            fut.result()
-        assert sorted(reads) == list(range(90))  # batches 0-8 read (6 delivered, 3 ahead), each row once
-    finally:
-        chain.cancel()
-        ex.shutdown()
-    assert len(copier.pool._free) == copier.pool.allocations  # the three ahead gave their buffers back

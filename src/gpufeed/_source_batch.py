@@ -26,10 +26,13 @@ import torch
 from gpufeed._copier import Copier, Delivered
 from gpufeed.staging import PinnedUnavailable, _result, _traced, byte_view, split
 
-MIN_READ_BYTES = 1 << 20
-#: Reads of later batches started while one batch finishes: up to this many bytes, and batches.
-READ_AHEAD_BYTES = 32 << 20
-MAX_READ_AHEAD = 8
+#: The smallest read a batch is split into (a batch smaller than this is one read). Each read costs the
+#: background threads GIL handoffs, and every handoff can delay the training thread, whose torch calls
+#: each release and retake the GIL. Measured on an H200 machine (``benchmarks/_diag_small.py``,
+#: ``_diag_touch.py``), 8 MiB HDF5 batches: 1 MiB reads 5.7-6.2 GB/s, 2 MiB 7.5, 4 MiB 9.8-11.1; two
+#: tiny kernel launches by the consumer took 37 us alone, 127 us beside 8 threads reading 1 MiB
+#: pieces and 43 us beside 4 MiB pieces.
+MIN_READ_BYTES = 4 << 20
 _ALIGN = 64  # each field's region in a staging buffer starts on a cache line (and any dtype's alignment)
 
 
@@ -49,29 +52,13 @@ class _Chain:
         self.source, self.plan = source, plan
         self._made: dict[int, SourceBatch] = {}
 
-    def get(self, i: int, prune: bool = True) -> SourceBatch | None:
-        """Batch ``i``; ``prune``: the epoch has reached it, so batches before ``i - 1`` are dropped
-        (those read ahead, after ``i``, are kept)."""
+    def get(self, i: int) -> SourceBatch | None:
         if i >= len(self.plan):
             return None
-        if prune:
-            self._made = {k: v for k, v in self._made.items() if k >= i - 1}
         if i not in self._made:
+            self._made = {k: v for k, v in self._made.items() if k >= i - 1}  # keep the last two at most
             self._made[i] = SourceBatch(self.source, self.plan[i], self, i)
         return self._made[i]
-
-    def read_ahead(self, i: int, copier: Copier, stop: threading.Event) -> None:
-        """Start the reads of the batches after batch ``i``: at least the next one, and more while they
-        add up to less than ``READ_AHEAD_BYTES`` (small batches: one batch's reads cannot keep every
-        reader busy, and each batch pays a fixed cost on the background thread), while buffers last."""
-        ahead = 0
-        for j in range(i + 1, i + 1 + MAX_READ_AHEAD):
-            succ = self.get(j, prune=False)
-            if succ is None or not succ.start(copier, stop):
-                return
-            ahead += succ.nbytes()
-            if ahead >= READ_AHEAD_BYTES:
-                return
 
     def cancel(self) -> None:
         """End the epoch: let reads started ahead finish, return their buffers, and drop the batches
@@ -112,9 +99,6 @@ class SourceBatch:
             self._next += 1
         return True
 
-    def nbytes(self) -> int:
-        return len(self.rows) * self._row_bytes()
-
     def gpufeed_read(self, copier: Copier, stop: threading.Event) -> Delivered:
         fields = self.source.fields
         n = len(self.rows)
@@ -142,8 +126,9 @@ class SourceBatch:
 
     def _read_staged(self, copier: Copier, out: dict[str, torch.Tensor], stop: threading.Event) -> None:
         started = self.start(copier, stop, block=True)
-        if started and self.chain is not None:  # the successors' reads run while this batch finishes
-            self.chain.read_ahead(self.index, copier, stop)
+        succ = self.chain.get(self.index + 1) if self.chain is not None else None
+        if started and succ is not None:
+            succ.start(copier, stop)  # the successor's reads run while this batch finishes
         fields = self.source.fields
         while self._entries or self._next < len(self._plan or ()):
             if not self._entries:
@@ -190,8 +175,8 @@ class SourceBatch:
 
     def _pieces(self, r0: int, r1: int, row_bytes: int, copier: Copier) -> list[tuple[int, int]]:
         # One read per worker thread for the batch, so every thread reads (like a 16-thread pread), but
-        # none under 1 MiB: each read wakes a thread that takes the GIL, which a launch-bound training
-        # step (the consumer) waits for; small batches are read by one thread.
+        # none under MIN_READ_BYTES: each read wakes a thread that takes the GIL, which a launch-bound
+        # training step (the consumer) waits for; small batches are read by one thread.
         per_thread = -(-len(self.rows) // copier.pipeline.threads)
         per = max(1, min(copier.pool.fill_bytes // row_bytes, max(per_thread, MIN_READ_BYTES // row_bytes)))
         return [(r0 + a, r0 + a + k) for a, k in split(r1 - r0, per)]

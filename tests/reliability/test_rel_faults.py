@@ -255,13 +255,8 @@ def test_source_file_deleted_mid_epoch(disk, device):
 
 
 @pytest.mark.timeout(30)
-def test_source_unopened_file_deleted_mid_epoch(tmp_path, device, monkeypatch):
+def test_source_unopened_file_deleted_mid_epoch(tmp_path, device):
     """A file not opened yet is deleted mid-epoch: FileNotFoundError naming it, after exact batches."""
-    import gpufeed._source_batch as sb
-
-    # The CUDA path reads small batches ahead (up to READ_AHEAD_BYTES): this whole file would be open
-    # before the delete. With no byte budget it reads one batch ahead, so the late file is not open yet.
-    monkeypatch.setattr(sb, "READ_AHEAD_BYTES", 0)
     disk = OnDisk("raw-multi", tmp_path)
     got = []
     with CudaPrefetcher(disk.open(), device=device, batch_size=BS, depth=1) as pf:
