@@ -549,6 +549,9 @@ def measure(cfg: Config, method: Method, expect: dict[str, dict[str, np.ndarray]
         first_loss=losses[0],
         last_loss=losses[-1],
     )
+    if stats is not None:  # the prefetcher's own figures (warm-up included): where its thread spent time
+        row["gpufeed_stats"] = {k: round(v, 6) if isinstance(v, float) else v
+                                for k, v in stats.as_dict().items()}
     del trainer, x, y
     return row
 

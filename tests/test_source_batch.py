@@ -50,7 +50,10 @@ def test_staged_reads_deliver_every_byte_and_return_every_buffer(budget, src_cls
         ex.shutdown()
 
 
-def test_a_successor_started_then_abandoned_returns_its_buffers():
+def test_a_successor_started_then_abandoned_returns_its_buffers(monkeypatch):
+    import gpufeed._source_batch as sb
+
+    monkeypatch.setattr(sb, "INLINE_BYTES", 0)  # batches this small are read inline, with no successor
     src = ArraySource()
     copier, ex = fake_copier(1 << 20, 4096)
     chain = _Chain(src, plan_batches(len(src), 10))
@@ -87,3 +90,41 @@ def test_views_are_cached_per_buffer_and_layout():
     finally:
         chain.cancel()
         ex.shutdown()
+
+
+def test_a_small_batch_is_read_on_the_calling_thread():
+    """One read under INLINE_BYTES runs on the background thread itself: no worker is woken for it."""
+    src = ArraySource()
+    copier, ex = fake_copier(1 << 20, 4096)
+    submitted = []
+    copier.pipeline.executor = SimpleNamespace(submit=lambda *a: submitted.append(a))
+    threads = []
+    real = src.read
+    src.read = lambda rows, out: (threads.append(threading.current_thread()), real(rows, out))
+    chain = _Chain(src, plan_batches(len(src), 10))
+    try:
+        for i in range(3):
+            b = chain.get(i)
+            out = {k: torch.empty((10, *f.shape), dtype=f.dtype) for k, f in src.fields.items()}
+            b._read_staged(copier, out, STOP)
+            assert np.array_equal(out["y"].numpy(), np.arange(i * 10, i * 10 + 10))
+        assert not submitted and threads == [threading.current_thread()] * 3
+    finally:
+        chain.cancel()
+        ex.shutdown()
+    assert len(copier.pool._free) == copier.pool.allocations
+
+
+def test_a_failing_inline_read_raises_and_returns_its_buffer():
+    src = ArraySource(fail_at=15)
+    copier, ex = fake_copier(1 << 20, 4096)
+    chain = _Chain(src, plan_batches(len(src), 10))
+    try:
+        out = {k: torch.empty((10, *f.shape), dtype=f.dtype) for k, f in src.fields.items()}
+        chain.get(0)._read_staged(copier, out, STOP)
+        with pytest.raises(OSError, match="row 15"):
+            chain.get(1)._read_staged(copier, out, STOP)
+    finally:
+        chain.cancel()
+        ex.shutdown()
+    assert len(copier.pool._free) == copier.pool.allocations

@@ -47,9 +47,14 @@ def test_acquire_gives_up_when_stopped():
         pool.acquire(1, stop)
 
 
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "workers"])  # fills here or on workers
 @pytest.mark.parametrize("fill_bytes", [None, 4096, 5000], ids=["torch", "threads", "threads-odd"])
 @pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 100_000, 1 << 20])
-def test_pipeline_copies_every_byte(nbytes, fill_bytes):
+def test_pipeline_copies_every_byte(nbytes, fill_bytes, inline, monkeypatch):
+    import gpufeed.staging as staging
+
+    if not inline:
+        monkeypatch.setattr(staging, "INLINE_BYTES", 0)
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     dst = torch.empty_like(src)
     pool = PinnedPool(budget=64 << 10, chunk_bytes=16 << 10, pin=False)
@@ -62,7 +67,12 @@ def test_pipeline_copies_every_byte(nbytes, fill_bytes):
     assert pool.allocated <= 64 << 10
 
 
-def test_pipeline_error_in_a_fill_is_raised_and_buffers_come_back():
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "workers"])
+def test_pipeline_error_in_a_fill_is_raised_and_buffers_come_back(inline, monkeypatch):
+    import gpufeed.staging as staging
+
+    if not inline:
+        monkeypatch.setattr(staging, "INLINE_BYTES", 0)
     pool = PinnedPool(budget=64 << 10, chunk_bytes=16 << 10, pin=False)
     src = torch.zeros(64 << 10, dtype=torch.uint8)
     dst = torch.empty_like(src)
@@ -147,3 +157,26 @@ def test_stage_copy_setting_is_checked():
     r = subprocess.run([sys.executable, "-c", "import gpufeed.staging as s; print(s.STAGE_COPY)"], env=env,
                        capture_output=True, text=True)
     assert r.stdout.strip() == "threads"
+
+
+def test_a_small_chunk_is_filled_without_waking_a_worker():
+    """Chunks up to INLINE_BYTES are filled on the calling thread; bigger ones by the workers."""
+    import gpufeed.staging as staging
+
+    class Counting(ThreadPoolExecutor):
+        submitted = 0
+
+        def submit(self, *a, **k):
+            Counting.submitted += 1
+            return super().submit(*a, **k)
+
+    for nbytes, workers in ((staging.INLINE_BYTES, False), (staging.INLINE_BYTES + 4096, True)):
+        Counting.submitted = 0
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        pool = PinnedPool(budget=64 << 20, chunk_bytes=8 << 20, pin=False)
+        with Counting(2) as ex:
+            chunks = plan_leaf_chunks(src, dst, 8 << 20, 1 << 20)
+            ChunkPipeline(pool, ex, None, max_in_flight=8).run(chunks, STOP)
+        assert torch.equal(src, dst)
+        assert (Counting.submitted > 0) == workers, (nbytes, Counting.submitted)

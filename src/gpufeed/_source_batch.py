@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from gpufeed._copier import Copier, Delivered
-from gpufeed.staging import PinnedUnavailable, _result, _traced, byte_view, split
+from gpufeed.staging import INLINE_BYTES, PinnedUnavailable, _result, _traced, byte_view, run_now, split
 
 #: The smallest read a batch is split into (a batch smaller than this is one read). Each read costs the
 #: background threads GIL handoffs, and every handoff can delay the training thread, whose torch calls
@@ -95,7 +95,8 @@ class SourceBatch:
             jobs = self._bind(buf, offsets, r0, pieces)  # every view made before any read starts
             if copier.pipeline.trace is not None:
                 jobs = [_traced(copier.pipeline.trace, j) for j in jobs]
-            self._entries.append((self._plan[self._next], buf, [executor.submit(j) for j in jobs]))
+            run = run_now if self._inline() else executor.submit  # one small read: here, no handoff
+            self._entries.append((self._plan[self._next], buf, [run(j) for j in jobs]))
             self._next += 1
         return True
 
@@ -127,7 +128,7 @@ class SourceBatch:
     def _read_staged(self, copier: Copier, out: dict[str, torch.Tensor], stop: threading.Event) -> None:
         started = self.start(copier, stop, block=True)
         succ = self.chain.get(self.index + 1) if self.chain is not None else None
-        if started and succ is not None:
+        if started and succ is not None and not self._inline():  # (an inline batch is read already)
             succ.start(copier, stop)  # the successor's reads run while this batch finishes
         fields = self.source.fields
         while self._entries or self._next < len(self._plan or ()):
@@ -159,8 +160,10 @@ class SourceBatch:
 
     def _read_direct(self, copier: Copier, out: dict[str, torch.Tensor], stop: threading.Event) -> None:
         pieces = self._pieces(0, len(self.rows), self._row_bytes(), copier)
-        futs = [copier.pipeline.executor.submit(self.source.read, self.rows[a:b],
-                                                {k: t[a:b] for k, t in out.items()}) for a, b in pieces]
+        jobs = [functools.partial(self.source.read, self.rows[a:b], {k: t[a:b] for k, t in out.items()})
+                for a, b in pieces]
+        small = len(jobs) == 1 and len(self.rows) * self._row_bytes() <= INLINE_BYTES
+        futs = [run_now(j) if small else copier.pipeline.executor.submit(j) for j in jobs]
         try:
             for f in futs:
                 _result(f, stop)
@@ -169,6 +172,11 @@ class SourceBatch:
             raise
 
     # -- planning ----------------------------------------------------------------------------------
+
+    def _inline(self) -> bool:
+        """Read on the background thread itself: the batch is one small read (see ``INLINE_BYTES``)."""
+        plan = self._plan or ()
+        return len(plan) == 1 and len(plan[0][4]) == 1 and plan[0][3] <= INLINE_BYTES
 
     def _row_bytes(self) -> int:
         return max(1, sum(f.sample_nbytes for f in self.source.fields.values()))

@@ -263,6 +263,22 @@ def plan_leaf_chunks(src: torch.Tensor, dst: torch.Tensor, chunk_bytes: int,
     return chunks
 
 
+#: Work this small (a packed chunk of small tensors, a small batch's one read) runs on the background
+#: thread itself: handing it to a worker costs more GIL handoffs (submit, wake, result, wake) than the
+#: copy, and each handoff can delay the training thread's next torch call.
+INLINE_BYTES = 4 << 20
+
+
+def run_now(job: Callable[[], Any]) -> Future:
+    """Run ``job`` on this thread; a done Future with its result or exception (as a worker's would be)."""
+    fut: Future = Future()
+    try:
+        fut.set_result(job())
+    except BaseException as exc:  # delivered through the future, as from a worker thread
+        fut.set_exception(exc)
+    return fut
+
+
 class ChunkPipeline:
     """Runs chunks through the pool: fills in worker threads, H2D copies in order on ``stream``.
 
@@ -300,7 +316,17 @@ class ChunkPipeline:
                         buf.tensor[: chunk.nbytes].copy_(chunk.src)
                         self._copy(chunk, buf)
                         continue
-                    futs = [self.executor.submit(job) for job in self._jobs(chunk, buf.tensor)]
+                    jobs = self._jobs(chunk, buf.tensor)
+                    if chunk.nbytes <= INLINE_BYTES:  # small: fill it here, no worker handoff
+                        try:
+                            for job in jobs:
+                                job()
+                        except BaseException:
+                            self.pool.release(buf, None)
+                            raise
+                        self._copy(chunk, buf)
+                        continue
+                    futs = [self.executor.submit(job) for job in jobs]
                     pending.append((chunk, buf, futs))
                 if not pending:
                     continue
