@@ -85,6 +85,7 @@ class Config:
     reps: int
     depth: int
     num_threads: int | None
+    chunk_mib: float | None
     out: Path
     profile: bool
     smoke: bool
@@ -105,6 +106,7 @@ def parse_args(argv: list[str] | None) -> Config:
     p.add_argument("--reps", type=int, help=f"timed epochs per method, median kept (default {FULL['reps']})")
     p.add_argument("--depth", type=int, default=3, help="gpufeed depth (default 3)")
     p.add_argument("--num-threads", type=int, help="gpufeed num_threads (default: gpufeed's)")
+    p.add_argument("--chunk-mib", type=float, help="gpufeed chunk_bytes in MiB (default: gpufeed's)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available; cpu with --smoke)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU by default: checks the script runs")
     p.add_argument("--profile", action="store_true", help="also write a torch.profiler trace of gpufeed")
@@ -119,8 +121,8 @@ def parse_args(argv: list[str] | None) -> Config:
     return Config(device=pick_device(a.device, a.smoke), batch_bytes=_batch_bytes(pick["batch_mib"]),
                   batches=_positive("batches", pick["batches"]), iters=_positive("iters", pick["iters"]),
                   reps=_positive("reps", pick["reps"]), depth=_positive("depth", a.depth),
-                  num_threads=a.num_threads, out=a.out, profile=a.profile, smoke=a.smoke,
-                  methods=methods)
+                  num_threads=a.num_threads, chunk_mib=a.chunk_mib, out=a.out, profile=a.profile,
+                  smoke=a.smoke, methods=methods)
 
 
 def _positive(name: str, value: int) -> int:
@@ -358,6 +360,8 @@ class Method:
         self.pf: CudaPrefetcher | None = None
         if name == "gpufeed":
             kw = {} if cfg.num_threads is None else {"num_threads": cfg.num_threads}
+            if cfg.chunk_mib is not None:
+                kw["chunk_bytes"] = int(cfg.chunk_mib * MiB)
             self.pf = CudaPrefetcher(source, device=cfg.device, depth=cfg.depth, **kw)
         self._epoch: Callable[[], Iterable[Batch]] = {
             "naive": lambda: naive(source, cfg),
@@ -582,6 +586,7 @@ def document(cfg: Config, rows: list[dict[str, Any]], ceiling: dict[str, float],
         "reps": cfg.reps,
         "depth": cfg.depth,
         "num_threads": cfg.num_threads,
+        "chunk_mib": cfg.chunk_mib,
         "ceiling": ceiling,
         "compute": {"matmul_n": step.a.shape[0], "matmuls_per_step": step.k, "alone_s_per_step": compute_s,
                     "over_ceiling_copy": compute_s / ceiling["copy_s_per_batch"]},
