@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU machine: the cuda-marked tests, then every benchmark.
 # Usage there (after the .devwhl prepare line):  bash benchmarks/run_gpu.sh "$OUT/r" --pack [part]
-# part: "a" (tests, prefetcher, CLI) or "b" (sources, tabpfn); both when left out. One part fits 600 s.
+# part: "a" (tests, prefetcher, CLI), "b" (sources, tabpfn) or "r" (the reliability report, whose page
+# docs/reliability.md is copied into the folder); "ab" when left out. One part fits 600 s.
 set -u
 out=${1:-benchmarks/results}
 part=${3:-ab}
@@ -24,6 +25,11 @@ if [[ $part == *b* ]]; then
   tail -6 "$out/bench-sources.log"
   timeout 300 python3 benchmarks/bench_tabpfn.py --out "$out" > "$out/bench-tabpfn.log" 2>&1
   tail -14 "$out/bench-tabpfn.log"
+fi
+if [[ $part == *r* ]]; then
+  timeout 200 python3 tests/reliability/report.py --runs 1 > "$out/reliability-report.log" 2>&1
+  tail -2 "$out/reliability-report.log"
+  cp docs/reliability.md "$out/"
 fi
 # The device tool returns at most 8 files: pack everything into one archive beside the folder.
 if [ "${2:-}" = "--pack" ]; then
