@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import torch
 
@@ -36,3 +38,20 @@ def targets_table(targets: list[dict], digits: int = 3) -> list[str]:
         value = "-" if t["value"] is None else f"{t['value']:.{digits}f}"
         lines.append(f"| {t['target']} | {value} | {'yes' if t['met'] else 'NO'} |")
     return lines
+
+
+def save_results(out: Path, name: str, doc: dict, md: str) -> Path:
+    """``<name>-<card>.json`` and ``.md`` in ``out``; returns the path without suffix."""
+    stem = out / f"{name}-{doc['card']}"
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(md)
+    return stem
+
+
+def print_results(doc: dict, stem: Path, md: str, note: str = "") -> None:
+    """Each target met or missed, where the files went, and the markdown table."""
+    print("\ntargets" + note + ":")
+    for t in doc.get("targets", []):
+        value = "-" if t["value"] is None else f"{t['value']:.3f}"
+        print(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']}: {value}")
+    print(f"\nwrote {stem}.json and {stem}.md\n\n{md}", end="")

@@ -10,28 +10,13 @@ OpenMP team it starts) to the GPU's local CPUs or to either half of the machine.
 
 import os
 import subprocess
-import threading
 
 import torch
-from _diag_ring import SIZE, MiB, ring
+from _diag_ring import SIZE, MiB, in_thread, ring
 
 
 def sh(cmd):
     return subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout.strip()
-
-
-def in_thread(fn, cpus=None):
-    out = {}
-
-    def run():
-        if cpus is not None:
-            os.sched_setaffinity(0, cpus)  # this thread; threads it starts inherit it
-        out["r"] = fn()
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    return out["r"]
 
 
 def main():

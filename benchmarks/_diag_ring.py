@@ -8,13 +8,31 @@ staging rate alone. On an H200 machine (300 MiB L3, pinned ceiling 55 GB/s): 4 x
 8 x 32 MiB 43, and 4 x 64 MiB 35 (_diag_contention.py, which reuses ``ring`` with its own slots).
 """
 
+import os
 import subprocess
+import threading
 import time
 
 import torch
 
 MiB = 1 << 20
 SIZE = 64 * MiB  # one batch
+
+
+def in_thread(fn, cpus=None):
+    """``fn()`` run on a new thread (bound to ``cpus`` when given; threads it starts, such as its OpenMP
+    team, inherit that); its result."""
+    box = {}
+
+    def run():
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)  # 0: the calling thread
+        box["r"] = fn()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return box["r"]
 
 
 def ring(chunk, nslots, srcs, dma=True, slots=None):

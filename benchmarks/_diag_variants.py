@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_prefetcher as bp
+from _diag_ring import in_thread
 
 import gpufeed._copier as copier_mod
 from gpufeed import CudaPrefetcher
@@ -55,14 +56,6 @@ def info() -> None:
     except OSError:
         pass
     print(torch.__config__.parallel_info(), flush=True)
-
-
-def run_in_thread(fn):
-    box = {}
-    t = threading.Thread(target=lambda: box.setdefault("r", fn()))
-    t.start()
-    t.join()
-    return box["r"]
 
 
 def stage_only(data) -> None:
@@ -139,27 +132,9 @@ def stage_only(data) -> None:
 
     xb = xs[0].numel()
     sb = sum(t.numel() for t in smalls[0])
-    print(
-        "stage-only torch x main",
-        rate(torch_x, xb),
-        "thread",
-        run_in_thread(lambda: rate(torch_x, xb)),
-        flush=True,
-    )
-    print(
-        "stage-only torch smalls main",
-        rate(torch_smalls, sb),
-        "thread",
-        run_in_thread(lambda: rate(torch_smalls, sb)),
-        flush=True,
-    )
-    print(
-        "stage-only torch all main",
-        rate(torch_all, BATCH),
-        "thread",
-        run_in_thread(lambda: rate(torch_all, BATCH)),
-        flush=True,
-    )
+    for what, fn, nbytes in (("x", torch_x, xb), ("smalls", torch_smalls, sb), ("all", torch_all, BATCH)):
+        print(f"stage-only torch {what} main", rate(fn, nbytes), "thread",
+              in_thread(lambda fn=fn, nbytes=nbytes: rate(fn, nbytes)), flush=True)
     print(
         "stage-only memmove1 x",
         rate(memmove_1(lambda i: [xs[i % 24]]), xb),
@@ -245,14 +220,14 @@ def main() -> None:
         "e2e torch per-tensor main",
         e2e_rate(e2e_torch(data)),
         "thread",
-        run_in_thread(lambda: e2e_rate(e2e_torch(data))),
+        in_thread(lambda: e2e_rate(e2e_torch(data))),
         flush=True,
     )
     print(
         "e2e torch chunk16 thread",
-        run_in_thread(lambda: e2e_rate(e2e_torch(data, 16 * MiB))),
+        in_thread(lambda: e2e_rate(e2e_torch(data, 16 * MiB))),
         "chunk32",
-        run_in_thread(lambda: e2e_rate(e2e_torch(data, 32 * MiB))),
+        in_thread(lambda: e2e_rate(e2e_torch(data, 32 * MiB))),
         flush=True,
     )
     print("gpufeed default", gpufeed_rate(data), flush=True)

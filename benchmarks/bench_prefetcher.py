@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import os
 import platform
 import statistics
@@ -52,7 +51,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by a test
-from _common import card_name, pick_device, targets_table
+from _common import card_name, pick_device, print_results, save_results, targets_table
 
 try:
     import gpufeed
@@ -597,10 +596,7 @@ def document(cfg: Config, rows: list[dict[str, Any]], ceiling: dict[str, float],
 
 def write(doc: dict[str, Any], cfg: Config) -> Path:
     """``prefetcher-<card>.json`` and ``.md`` in ``cfg.out``; returns the path without suffix."""
-    stem = cfg.out / f"prefetcher-{doc['card']}"
-    Path(f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
-    Path(f"{stem}.md").write_text(markdown(doc))
-    return stem
+    return save_results(cfg.out, "prefetcher", doc, markdown(doc))
 
 
 # -- targets and reporting -------------------------------------------------------------------------------
@@ -694,11 +690,8 @@ def main(argv: list[str] | None = None) -> int:
           f"torch {torch.__version__}, {cfg.batch_bytes / MiB:g} MiB x {cfg.batches} batches, "
           f"{cfg.iters} steps x {cfg.reps} reps", flush=True)
     doc = run(cfg)
-    stem = cfg.out / f"prefetcher-{doc['card']}"
-    print("\ntargets" + (" (smoke run: not meaningful)" if cfg.smoke else "") + ":")
-    for t in doc["targets"]:
-        print(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']}: {_fmt(t['value'], '.3f')}")
-    print(f"\nwrote {stem}.json and {stem}.md\n\n{markdown(doc)}", end="")
+    stem = cfg.out / f"prefetcher-{doc['card']}"  # written by run()
+    print_results(doc, stem, markdown(doc), " (smoke run: not meaningful)" if cfg.smoke else "")
     return 0
 
 

@@ -36,7 +36,6 @@ threads in place of ``preadv``, no prefetcher, to tell a source's cost from the 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -57,7 +56,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by a test
-from _common import card_name, pick_device, targets_table
+from _common import card_name, pick_device, print_results, save_results, targets_table
 
 try:
     import gpufeed
@@ -731,10 +730,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not cfg.keep and cfg.data_dir is None:
             shutil.rmtree(root, ignore_errors=True)
-    stem = cfg.out / f"sources-{doc['card']}"
-    stem.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(doc))
-    print(f"\nwrote {stem}.json and {stem}.md\n\n{markdown(doc)}", end="")
+    md = markdown(doc)
+    print_results(doc, save_results(cfg.out, "sources", doc, md), md)
     return 0
 
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import platform
 import shutil
@@ -60,7 +59,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by a test
 import torch.nn.functional as F
-from _common import card_name, pick_device, targets_table
+from _common import card_name, pick_device, print_results, save_results, targets_table
 from torch import nn
 
 try:
@@ -799,14 +798,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not cfg.keep and cfg.data_dir is None:
             shutil.rmtree(root, ignore_errors=True)
-    stem = cfg.out / f"tabpfn-{doc['card']}"
-    stem.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
     md = markdown(doc)
-    stem.with_suffix(".md").write_text(md)
-    print(f"\nwrote {stem}.json and {stem}.md")
-    for t in doc["targets"]:
-        print(f"target {'met   ' if t['met'] else 'MISSED'}  {t['target']}: {_fmt(t['value'], '.3f')}")
-    print(f"\n{md}", end="")
+    print_results(doc, save_results(cfg.out, "tabpfn", doc, md), md)
     return 0
 
 
