@@ -319,6 +319,19 @@ def _interrupt(how):
 
 
 @pytest.mark.timeout(30)
+def _interrupted_next(it, after, how):
+    """``next(it)`` with a SIGINT ``after`` seconds into it: asserts KeyboardInterrupt; seconds waited."""
+    timer = threading.Timer(after, _interrupt, args=(how,))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+        return time.monotonic() - t0
+    finally:
+        timer.join()
+
+
 @pytest.mark.parametrize("how", ["interrupt_main", "raise_signal"])
 def test_source_ctrl_c_during_next(disk, device, how):
     """SIGINT while the consumer waits in next(): KeyboardInterrupt, thread stops, next epoch works."""
@@ -326,15 +339,7 @@ def test_source_ctrl_c_during_next(disk, device, how):
     with CudaPrefetcher(src, device=device, batch_size=BS, depth=2) as pf:
         it = iter(pf)
         got = [keep(next(it)) for _ in range(3)]
-        timer = threading.Timer(0.15, _interrupt, args=(how,))
-        timer.start()
-        t0 = time.monotonic()
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                next(it)
-            waited = time.monotonic() - t0
-        finally:
-            timer.join()
+        waited = _interrupted_next(it, 0.15, how)
         t = stopped()  # the epoch's fetch thread and its reader threads
         check_epoch(got, disk.data, plan()[:3])
         with pytest.raises(StopIteration):
@@ -568,15 +573,7 @@ def test_loader_ctrl_c_during_next(kind, how, device, tmp_path):
     with CudaPrefetcher(loader, device=device, depth=2) as pf:
         it = iter(pf)
         got = [keep(next(it)) for _ in range(3)]
-        timer = threading.Timer(0.1, _interrupt, args=(how,))
-        timer.start()
-        t0 = time.monotonic()
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                next(it)
-            waited = time.monotonic() - t0
-        finally:
-            timer.join()
+        waited = _interrupted_next(it, 0.1, how)
         del it
         t = stopped()
         w = _workers_gone()
