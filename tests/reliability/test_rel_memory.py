@@ -55,8 +55,12 @@ class Marks:
     def check(self, rss_slack=5 * MiB, objects_slack=300):
         assert self.epoch == EPOCHS and len(self.rows) == 1 + (EPOCHS - WARM) // 5
         a, b = self.rows[0], self.rows[-1]
-        growth = b["rss"] - a["rss"]
-        assert growth < rss_slack, f"RSS grew {growth / MiB:.1f} MiB from epoch {WARM} to {EPOCHS}"
+        # RSS readings jitter by about 2.5 MiB (glibc arenas of each epoch's new threads; a 2-core CI
+        # machine once read +5.04 MiB with no trend): compare the medians of the first and last three
+        # readings (epochs 5-15 and 40-50), which a leak growing with the epochs still moves.
+        rss = [r["rss"] for r in self.rows]
+        growth = sorted(rss[-3:])[1] - sorted(rss[:3])[1]
+        assert growth < rss_slack, f"RSS grew {growth / MiB:.1f} MiB (epochs {WARM}-15 to 40-{EPOCHS}): {rss}"
         assert b["objects"] - a["objects"] < objects_slack, (a["objects"], b["objects"])
         for key in ("pool", "buffers", "fds", "threads", "cuda"):
             assert len({r[key] for r in self.rows}) == 1, (key, [r[key] for r in self.rows])
@@ -89,8 +93,8 @@ def test_loader_50_epochs_flat(device):
             marks.take()
         growth = marks.check()
     wait_no_threads()
-    note(f"{EPOCHS} epochs: RSS +{growth / MiB:.2f} MiB from epoch {WARM} to {EPOCHS}; objects, pool, "
-         "threads, descriptors (and CUDA memory) unchanged")
+    note(f"{EPOCHS} epochs: RSS +{growth / MiB:.2f} MiB (median of epochs {WARM}-15 to 40-{EPOCHS}); "
+         "objects, pool, threads, descriptors (and CUDA memory) unchanged")
 
 
 @pytest.mark.timeout(90)
@@ -109,8 +113,8 @@ def test_source_50_epochs_flat(kind, device, tmp_path):
             marks.take()
         growth = marks.check()
     wait_no_threads()
-    note(f"{EPOCHS} shuffled epochs: RSS +{growth / MiB:.2f} MiB from epoch {WARM} to {EPOCHS}; objects, "
-         "threads, descriptors (and CUDA memory) unchanged")
+    note(f"{EPOCHS} shuffled epochs: RSS +{growth / MiB:.2f} MiB (median of epochs {WARM}-15 to "
+         f"40-{EPOCHS}); objects, threads, descriptors (and CUDA memory) unchanged")
 
 
 @pytest.mark.timeout(60)
