@@ -60,7 +60,7 @@ def test_pipeline_copies_every_byte(nbytes, fill_bytes, inline, monkeypatch):
     pool = PinnedPool(budget=64 << 10, chunk_bytes=16 << 10, pin=False)
     chunks = plan_leaf_chunks(src, dst, 16 << 10, fill_bytes)
     if fill_bytes is not None:  # memmove pieces on the workers, none bigger than fill_bytes
-        assert all(c.src is None and len(c.fills) == -(-c.nbytes // fill_bytes) for c in chunks)
+        assert all(not c.segments and len(c.fills) == -(-c.nbytes // fill_bytes) for c in chunks)
     with ThreadPoolExecutor(4) as ex:
         ChunkPipeline(pool, ex, None, max_in_flight=8).run(chunks, STOP)
     assert torch.equal(src, dst)
@@ -81,33 +81,44 @@ def test_pipeline_error_in_a_fill_is_raised_and_buffers_come_back(inline, monkey
     def bad(buf):
         raise OSError("disk gone")
 
-    chunks[2].src = None
+    chunks[2].segments = []
     chunks[2].fills = [lambda buf: None, bad]
     with ThreadPoolExecutor(2) as ex, pytest.raises(OSError, match="disk gone"):
         ChunkPipeline(pool, ex, None, max_in_flight=8).run(chunks, STOP)
     assert len(pool._free) == pool.allocations  # every buffer is back in the pool
 
 
-def test_small_tensors_are_packed_and_copied_exactly():
-    from gpufeed.staging import plan_small_chunks
+@pytest.mark.parametrize("fill_bytes", [None, 4096], ids=["torch", "threads"])
+def test_leaves_are_laid_end_to_end_and_copied_exactly(fill_bytes):
+    from gpufeed.staging import plan_chunks
 
     g = torch.Generator().manual_seed(0)
     sizes = (1, 3, 1000, 4097, 20000)
     srcs = [torch.randint(0, 1 << 30, (k,), generator=g, dtype=torch.int32) for k in sizes]
     srcs.append(torch.rand(33, 7, generator=g).to(torch.bfloat16))
+    srcs.append(torch.randint(0, 256, (100_000,), generator=g, dtype=torch.uint8))
     dsts = [torch.empty_like(s) for s in srcs]
-    pairs = list(zip(srcs, dsts, strict=True))
-    chunks = plan_small_chunks(pairs, chunk_bytes=16 << 10)  # forces several packs
-    assert len(chunks) > 1 and all(c.nbytes <= (16 << 10) + 64 or len(c.fills) == 1 for c in chunks)
-    big = torch.randint(0, 256, (100_000,), dtype=torch.uint8)
-    big_dst = torch.empty_like(big)
-    chunks += plan_leaf_chunks(big, big_dst, 16 << 10)
+    chunks = plan_chunks(list(zip(srcs, dsts, strict=True)), 16 << 10, fill_bytes)
+    assert all(c.nbytes <= 16 << 10 for c in chunks)
+    aligned = sum(-(-s.numel() * s.element_size() // 64) * 64 for s in srcs)
+    assert len(chunks) == -(-aligned // (16 << 10))  # leaves share chunks: as many as their bytes need
     pool = PinnedPool(budget=256 << 10, chunk_bytes=16 << 10, pin=False)
     with ThreadPoolExecutor(3) as ex:
         ChunkPipeline(pool, ex, None, max_in_flight=8).run(chunks, STOP)
     assert all(torch.equal(s, d) for s, d in zip(srcs, dsts, strict=True))
-    assert torch.equal(big, big_dst)
     assert len(pool._free) == pool.allocations
+
+
+def test_a_batch_of_several_tensors_takes_the_chunks_of_one_tensor_of_its_bytes():
+    """A 64 MiB batch of a 60 MiB tensor and three small ones is two 32 MiB chunks, as 64 MiB in one."""
+    from gpufeed.staging import plan_chunks
+
+    mib = 1 << 20
+    leaves = [(torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8))
+              for n in (60 * mib, 2 * mib, mib, mib)]
+    chunks = plan_chunks(leaves, 32 * mib)
+    assert [c.nbytes for c in chunks] == [32 * mib, 32 * mib]
+    assert [len(c.segments) for c in chunks] == [1, 4]  # the tail of the big one and the three small ones
 
 
 class _InFlight:

@@ -15,17 +15,13 @@ from gpufeed import _nvtx, staging
 from gpufeed._tracing import TraceRecorder
 from gpufeed._tree import flatten
 from gpufeed.staging import (
-    Chunk,
     ChunkPipeline,
     PinnedPool,
     PinnedUnavailable,
-    plan_leaf_chunks,
-    plan_small_chunks,
+    plan_chunks,
     warn_pageable,
 )
 from gpufeed.stats import PrefetchStats
-
-SMALL_LEAF_BYTES = 4 << 20  # staged by worker threads, packed (see plan_small_chunks)
 
 
 @dataclass
@@ -80,7 +76,7 @@ class Copier:
         self.stats = stats
         self.transform = transform
         self.trace = trace
-        # GPUFEED_STAGE_COPY=threads: big pageable leaves are filled by worker memmoves of this size
+        # GPUFEED_STAGE_COPY=threads: pageable leaves are filled by worker memmoves of this size
         self._leaf_fill = pool.fill_bytes if staging.STAGE_COPY == "threads" else None
         self._timings: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event]] = collections.deque()
         self._retire: collections.deque[tuple[torch.cuda.Event, list[torch.Tensor]]] = collections.deque()
@@ -123,8 +119,6 @@ class Copier:
         out: list[torch.Tensor] = []
         fresh: list[torch.Tensor] = []
         keep: list[torch.Tensor] = []
-        chunks: list[Chunk] = []
-        small: list[tuple[torch.Tensor, torch.Tensor]] = []
         staged_leaves: list[tuple[torch.Tensor, torch.Tensor]] = []
         nbytes = staged = 0
         with torch.cuda.stream(self.stream), _nvtx.range("gpufeed.copy"):
@@ -147,14 +141,10 @@ class Copier:
                     src = t.contiguous()
                     keep.append(src)
                     staged_leaves.append((src, dst))
-                    if n <= SMALL_LEAF_BYTES:
-                        small.append((src, dst))
-                    else:
-                        chunks += plan_leaf_chunks(src, dst, self.pool.chunk_bytes, self._leaf_fill)
                     staged += n
                 else:
                     dst.copy_(t)  # pageable fallback, still off the consumer's thread
-            chunks = plan_small_chunks(small, self.pool.chunk_bytes) + chunks  # small ones fill meanwhile
+            chunks = plan_chunks(staged_leaves, self.pool.chunk_bytes, self._leaf_fill)
             t0 = time.perf_counter()
             with _nvtx.range("gpufeed.stage"):
                 try:

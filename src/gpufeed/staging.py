@@ -185,15 +185,16 @@ class PinnedPool:
 class Chunk:
     """One unit of the pipeline, staged through one pinned buffer of ``nbytes``.
 
-    Each callable of ``fills`` writes its part of the buffer (they run in parallel worker threads and
-    touch disjoint bytes); once all are done, each ``(dst, offset, n)`` of ``copies`` is copied from
-    ``buf[offset:offset+n]`` into the flat uint8 device view ``dst`` on the copy stream.
+    Each ``(src, offset)`` of ``segments`` (a flat uint8 host view) is copied to ``buf[offset:]`` on the
+    pipeline's own thread. Each callable of ``fills`` writes its part of the buffer (they run in parallel
+    worker threads and touch disjoint bytes). Once both are done, each ``(dst, offset, n)`` of ``copies``
+    is copied from ``buf[offset:offset+n]`` into the flat uint8 device view ``dst`` on the copy stream.
     """
 
     nbytes: int
     fills: list[Callable[[torch.Tensor], None]]
     copies: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
-    src: torch.Tensor | None = None  # a flat uint8 host view: filled by one torch copy, in this thread
+    segments: list[tuple[torch.Tensor, int]] = field(default_factory=list)
 
 
 def memcpy_fill(src_addr: int, offset: int, nbytes: int) -> Callable[[torch.Tensor], None]:
@@ -205,28 +206,63 @@ def memcpy_fill(src_addr: int, offset: int, nbytes: int) -> Callable[[torch.Tens
     return fill
 
 
-def plan_small_chunks(leaves: Sequence[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: int) -> list[Chunk]:
-    """Pack small host tensors into shared chunks, each leaf filled by a worker thread's ``memmove``.
+#: A segment this small is copied by one ``memmove`` on the calling thread; a bigger one by torch's
+#: parallel copy (every intra-op thread), which costs a few microseconds more to start.
+TORCH_FILL_BYTES = 64 << 10
 
-    One torch copy per small tensor wakes every intra-op thread for a megabyte of work: on an H200
-    machine a 64 MiB batch with three 1-2 MiB tensors beside its 60 MiB one staged at 24 GB/s, the
-    60 MiB tensor alone at 39. Packed, the small ones fill on worker threads while the big copy runs.
+
+def fill_segments(buf: torch.Tensor, segments: Sequence[tuple[torch.Tensor, int]]) -> None:
+    """Copy each ``(src, offset)`` of ``segments`` into ``buf[offset:]``."""
+    base = None
+    for src, off in segments:
+        n = src.numel()
+        if n >= TORCH_FILL_BYTES:
+            buf[off : off + n].copy_(src)
+        else:
+            base = buf.data_ptr() if base is None else base
+            ctypes.memmove(base + off, src.data_ptr(), n)
+
+
+def plan_chunks(leaves: Sequence[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: int,
+                fill_bytes: int | None = None) -> list[Chunk]:
+    """Chunks that stage each contiguous host tensor ``src`` of ``leaves`` into its device tensor ``dst``.
+
+    The leaves are laid end to end, each at a 64-byte boundary, and cut into chunks of ``chunk_bytes``:
+    a 64 MiB batch of four tensors takes two 32 MiB chunks, as one tensor would, and every byte is copied
+    by all cores. (Filling small tensors apart, one worker ``memmove`` each, left one core copying
+    4 MiB while the others waited: 31 GB/s where the same bytes as one tensor staged at 45 on an H200
+    machine, ``benchmarks/_diag_shape.py``.)
+
+    Without ``fill_bytes`` the chunks are filled on the pipeline's thread (``segments``); with it, by
+    worker-thread ``memmove`` pieces of at most that size (``fills``, ``GPUFEED_STAGE_COPY=threads``).
     """
     chunks: list[Chunk] = []
-    fills: list[Callable[[torch.Tensor], None]] = []
-    copies: list[tuple[torch.Tensor, int, int]] = []
+    chunk: Chunk | None = None
     off = 0
     for src, dst in leaves:
-        n = src.numel() * src.element_size()
-        if off and off + n > chunk_bytes:
-            chunks.append(Chunk(off, fills, copies))
-            fills, copies, off = [], [], 0
-        fills.append(memcpy_fill(src.data_ptr(), off, n))
-        copies.append((byte_view(dst), off, n))
-        off += -(-n // 64) * 64
-    if fills:
-        chunks.append(Chunk(off, fills, copies))
+        src_bytes, dst_bytes = byte_view(src), byte_view(dst)
+        total, pos = src_bytes.numel(), 0
+        while pos < total:
+            if chunk is None or off >= chunk_bytes:
+                chunk, off = Chunk(0, []), 0
+                chunks.append(chunk)
+            n = min(total - pos, chunk_bytes - off)
+            if fill_bytes is None:
+                chunk.segments.append((src_bytes[pos : pos + n], off))
+            else:
+                base = src.data_ptr() + pos
+                chunk.fills += [memcpy_fill(base + o, off + o, m) for o, m in split(n, fill_bytes)]
+            chunk.copies.append((dst_bytes[pos : pos + n], off, n))
+            chunk.nbytes = off + n
+            pos += n
+            off = -(-(off + n) // 64) * 64
     return chunks
+
+
+def plan_leaf_chunks(src: torch.Tensor, dst: torch.Tensor, chunk_bytes: int,
+                     fill_bytes: int | None = None) -> list[Chunk]:
+    """Chunks that stage one contiguous host tensor ``src`` into device tensor ``dst``: see plan_chunks."""
+    return plan_chunks([(src, dst)], chunk_bytes, fill_bytes)
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -239,32 +275,12 @@ def split(total: int, piece: int) -> list[tuple[int, int]]:
     return [(off, min(piece, total - off)) for off in range(0, total, piece)]
 
 
-#: How pageable tensors are copied into pinned buffers: ``torch`` (one torch ``copy_`` per chunk on the
+#: How pageable tensors are copied into pinned buffers: ``torch`` (torch's parallel ``copy_`` on the
 #: background thread, torch's OpenMP threads) or ``threads`` (``memmove`` pieces on gpufeed's worker
-#: threads). ``GPUFEED_STAGE_COPY`` picks; see docs/tuning.md for when ``threads`` is faster.
+#: threads). ``GPUFEED_STAGE_COPY`` picks; see docs/tuning.md.
 STAGE_COPY = os.environ.get("GPUFEED_STAGE_COPY", "torch").strip().lower() or "torch"
 if STAGE_COPY not in ("torch", "threads"):
     raise ValueError(f"GPUFEED_STAGE_COPY must be 'torch' or 'threads', got {STAGE_COPY!r}")
-
-
-def plan_leaf_chunks(src: torch.Tensor, dst: torch.Tensor, chunk_bytes: int,
-                     fill_bytes: int | None = None) -> list[Chunk]:
-    """Chunks that stage the contiguous host tensor ``src`` into device tensor ``dst``, byte for byte.
-
-    With ``fill_bytes``, each chunk is filled by worker-thread ``memmove`` pieces of that size;
-    otherwise by one torch copy on the calling thread.
-    """
-    dst_bytes, src_bytes = byte_view(dst), byte_view(src)
-    chunks = []
-    for off, n in split(src.numel() * src.element_size(), chunk_bytes):
-        copies = [(dst_bytes[off : off + n], 0, n)]
-        if fill_bytes is None:
-            chunks.append(Chunk(n, [], copies, src=src_bytes[off : off + n]))
-        else:
-            base = src.data_ptr() + off
-            fills = [memcpy_fill(base + o, o, m) for o, m in split(n, fill_bytes)]
-            chunks.append(Chunk(n, fills, copies))
-    return chunks
 
 
 #: Work this small (a packed chunk of small tensors, a small batch's one read) runs on the background
@@ -317,13 +333,10 @@ class ChunkPipeline:
                     if buf is None:
                         break
                     chunk = todo.popleft()
-                    if chunk.src is not None:  # torch's parallel copy, GIL released; then straight to H2D
-                        buf.tensor[: chunk.nbytes].copy_(chunk.src)
-                        self._copy(chunk, buf)
-                        continue
                     jobs = self._jobs(chunk, buf.tensor)
-                    if chunk.nbytes <= INLINE_BYTES:  # small: fill it here, no worker handoff
+                    if chunk.segments or chunk.nbytes <= INLINE_BYTES:  # fill it here, no worker handoff
                         try:
+                            fill_segments(buf.tensor, chunk.segments)  # torch's parallel copy, GIL released
                             for job in jobs:
                                 job()
                         except BaseException:
