@@ -1,6 +1,9 @@
 """The pinned pool and the chunk pipeline, on plain host memory (pinning needs CUDA)."""
 
+import os
+import shutil
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -163,7 +166,8 @@ def test_stage_copy_setting_is_checked():
 
     env = {**__import__("os").environ, "GPUFEED_STAGE_COPY": "bogus"}
     r = subprocess.run([sys.executable, "-c", "import gpufeed"], env=env, capture_output=True, text=True)
-    assert r.returncode != 0 and "GPUFEED_STAGE_COPY must be 'torch' or 'threads', got 'bogus'" in r.stderr
+    assert r.returncode != 0
+    assert "GPUFEED_STAGE_COPY must be 'auto', 'torch' or 'threads', got 'bogus'" in r.stderr
     env["GPUFEED_STAGE_COPY"] = "threads"
     r = subprocess.run([sys.executable, "-c", "import gpufeed.staging as s; print(s.STAGE_COPY)"], env=env,
                        capture_output=True, text=True)
@@ -191,3 +195,144 @@ def test_a_small_chunk_is_filled_without_waking_a_worker():
             ChunkPipeline(pool, ex, None, max_in_flight=8).run(chunks, STOP)
         assert torch.equal(src, dst)
         assert (Counting.submitted > 0) == workers, (nbytes, Counting.submitted)
+
+
+# -- the compiled staging copy (_hostcopy) ---------------------------------------------------------------
+
+needs_cc = pytest.mark.skipif(
+    not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here"
+)
+
+
+def _segments(seed, sizes):
+    """Host sources of ``sizes`` bytes and their places, 64-byte aligned, in one destination buffer."""
+    g = torch.Generator().manual_seed(seed)
+    srcs = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) for n in sizes]
+    offs, off = [], 0
+    for n in sizes:
+        offs.append(off)
+        off = -(-(off + n) // 64) * 64
+    return srcs, offs, off
+
+
+SIZES = [1, 63, 4096, 65_536, 262_144, 262_145, 1_000_003, 3 << 20]
+
+
+@pytest.mark.parametrize("mode", ["auto", "torch"])
+def test_fill_segments_copies_every_byte_in_place(mode, monkeypatch):
+    import gpufeed.staging as staging
+
+    monkeypatch.setattr(staging, "STAGE_COPY", mode)
+    srcs, offs, total = _segments(1, SIZES)
+    buf = torch.full((total + 64,), 0xAB, dtype=torch.uint8)
+    staging.fill_segments(buf, list(zip(srcs, offs, strict=True)))
+    for src, off in zip(srcs, offs, strict=True):
+        assert torch.equal(buf[off : off + src.numel()], src)
+    gaps = torch.ones(total + 64, dtype=torch.bool)
+    for src, off in zip(srcs, offs, strict=True):
+        gaps[off : off + src.numel()] = False
+    assert bool((buf[gaps] == 0xAB).all())  # nothing written outside the segments
+
+
+@needs_cc
+def test_the_compiled_copy_is_built_and_used(tmp_path, monkeypatch):
+    from gpufeed import _hostcopy
+
+    monkeypatch.setenv("GPUFEED_CACHE", str(tmp_path))
+    monkeypatch.setattr(_hostcopy, "_tried", False)
+    monkeypatch.setattr(_hostcopy, "_lib", None)
+    lib = _hostcopy.load()
+    assert lib is not None and _hostcopy.status.startswith("built ") and str(tmp_path) in _hostcopy.status
+    assert len(list(tmp_path.glob("hostcopy-*.so"))) == 1
+    srcs, offs, total = _segments(2, SIZES)
+    buf = torch.zeros(total, dtype=torch.uint8)
+    parts = [(s.data_ptr(), o, s.numel()) for s, o in zip(srcs, offs, strict=True)]
+    _hostcopy.copy(lib, buf.data_ptr(), parts, 5)
+    assert all(torch.equal(buf[o : o + s.numel()], s) for s, o in zip(srcs, offs, strict=True))
+
+
+def test_without_a_compiler_staging_falls_back_to_torch(tmp_path, monkeypatch):
+    import gpufeed.staging as staging
+    from gpufeed import _hostcopy
+
+    monkeypatch.setenv("GPUFEED_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(_hostcopy, "_tried", False)
+    monkeypatch.setattr(_hostcopy, "_lib", None)
+    monkeypatch.setattr(staging, "STAGE_COPY", "auto")
+    srcs, offs, total = _segments(3, [1 << 20, 5])
+    buf = torch.zeros(total, dtype=torch.uint8)
+    staging.fill_segments(buf, list(zip(srcs, offs, strict=True)))
+    assert _hostcopy.load() is None
+    assert _hostcopy.status.startswith("unavailable (") and "no-such-cc" in _hostcopy.status
+    assert all(torch.equal(buf[o : o + s.numel()], s) for s, o in zip(srcs, offs, strict=True))
+
+
+@needs_cc
+def test_the_compiled_copy_serves_threads_at_once():
+    """Two prefetchers in one process stage at the same time: calls queue up, every byte lands."""
+    import gpufeed.staging as staging
+
+    if staging.STAGE_COPY != "auto":
+        pytest.skip("GPUFEED_STAGE_COPY is set")
+    errors = []
+
+    def work(seed):
+        try:
+            for i in range(20):
+                srcs, offs, total = _segments(seed * 100 + i, [700_001, 262_144, 3])
+                buf = torch.zeros(total, dtype=torch.uint8)
+                staging.fill_segments(buf, list(zip(srcs, offs, strict=True)))
+                assert all(torch.equal(buf[o : o + s.numel()], s) for s, o in zip(srcs, offs, strict=True))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads)
+
+
+@needs_cc
+def test_the_compiled_copy_works_in_a_forked_child_even_mid_copy():
+    """A child forked while another thread copies gets its own team (the parent's threads are not there)."""
+    import gpufeed.staging as staging
+
+    if staging.STAGE_COPY != "auto":
+        pytest.skip("GPUFEED_STAGE_COPY is set")
+    srcs, offs, total = _segments(4, [4 << 20])
+    segs = list(zip(srcs, offs, strict=True))
+    staging.fill_segments(torch.zeros(total, dtype=torch.uint8), segs)  # the parent's team exists
+    stop = threading.Event()
+
+    def busy():
+        buf = torch.zeros(total, dtype=torch.uint8)
+        while not stop.is_set():
+            staging.fill_segments(buf, segs)
+
+    t = threading.Thread(target=busy)
+    t.start()
+    try:
+        for _ in range(5):
+            pid = os.fork()
+            if pid == 0:  # the child: copy, check, leave without running the parent's cleanup
+                ok = False  # (no torch op that runs OpenMP here: torch's own hang in a forked child)
+                try:
+                    buf = torch.empty(total, dtype=torch.uint8)
+                    staging.fill_segments(buf, segs)
+                    ok = buf.numpy().tobytes() == srcs[0].numpy().tobytes()
+                finally:
+                    os._exit(0 if ok else 3)
+            deadline = time.monotonic() + 30
+            while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if done[0] == 0:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child hung in the compiled copy")
+            assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        stop.set()
+        t.join(30)

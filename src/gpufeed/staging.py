@@ -2,10 +2,10 @@
 
 The pipeline turns a batch into *chunks*. Each chunk is filled into a pinned buffer, then the
 background thread issues its host-to-device copies on the copy stream and records the buffer's event.
-Pageable tensors are filled by torch's own multi-threaded CPU copy (intra-op threads, GIL released):
-measured on an H200 machine it ran at about 49 GB/s where 16 Python threads calling ``memmove`` reached
-38. Source reads (``preadv``) are filled by worker threads. Chunk ``i + 1`` is filled while chunk
-``i`` is on the PCIe link, so the two stages overlap.
+Pageable tensors are filled on the background thread by gpufeed's compiled copy (``_hostcopy``: its
+own threads take 256 KiB pieces, GIL released), or by torch's multi-threaded CPU copy where no C
+compiler is found. Source reads (``preadv``) are filled by worker threads. Chunk ``i + 1`` is filled
+while chunk ``i`` is on the PCIe link, so the two stages overlap.
 
 Invariant (kept by :class:`PinnedPool`): a pinned buffer is handed out again only after the event
 recorded behind the last copy that read it has completed, so a fill never overwrites bytes that
@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from gpufeed import _hostcopy
 from gpufeed._worker import Stopped
 
 MiB = 1 << 20
@@ -206,21 +207,28 @@ def memcpy_fill(src_addr: int, offset: int, nbytes: int) -> Callable[[torch.Tens
     return fill
 
 
-#: A segment this small is copied by one ``memmove`` on the calling thread; a bigger one by torch's
-#: parallel copy (every intra-op thread), which costs a few microseconds more to start.
-TORCH_FILL_BYTES = 64 << 10
+#: A chunk this small is copied by ``memmove`` on the calling thread: waking a team of threads for it
+#: costs more than it saves. Bigger ones go to the compiled copy, or segment by segment to torch's.
+SMALL_FILL_BYTES = 64 << 10
 
 
 def fill_segments(buf: torch.Tensor, segments: Sequence[tuple[torch.Tensor, int]]) -> None:
-    """Copy each ``(src, offset)`` of ``segments`` into ``buf[offset:]``."""
-    base = None
-    for src, off in segments:
-        n = src.numel()
-        if n >= TORCH_FILL_BYTES:
-            buf[off : off + n].copy_(src)
+    """Copy each ``(src, offset)`` of ``segments`` (flat uint8 host views) into ``buf[offset:]``."""
+    if not segments:
+        return
+    base = buf.data_ptr()
+    parts = [(src.data_ptr(), off, src.numel()) for src, off in segments]
+    total = sum(n for _, _, n in parts)
+    if total >= SMALL_FILL_BYTES and STAGE_COPY == "auto":
+        lib = _hostcopy.load()
+        if lib is not None:
+            _hostcopy.copy(lib, base, parts, min(torch.get_num_threads(), -(-total // _hostcopy.PIECE_BYTES)))
+            return
+    for (addr, off, n), (src, _) in zip(parts, segments, strict=True):
+        if n >= SMALL_FILL_BYTES:
+            buf[off : off + n].copy_(src)  # torch's parallel copy
         else:
-            base = buf.data_ptr() if base is None else base
-            ctypes.memmove(base + off, src.data_ptr(), n)
+            ctypes.memmove(base + off, addr, n)
 
 
 def plan_chunks(leaves: Sequence[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: int,
@@ -275,12 +283,13 @@ def split(total: int, piece: int) -> list[tuple[int, int]]:
     return [(off, min(piece, total - off)) for off in range(0, total, piece)]
 
 
-#: How pageable tensors are copied into pinned buffers: ``torch`` (torch's parallel ``copy_`` on the
-#: background thread, torch's OpenMP threads) or ``threads`` (``memmove`` pieces on gpufeed's worker
-#: threads). ``GPUFEED_STAGE_COPY`` picks; see docs/tuning.md.
-STAGE_COPY = os.environ.get("GPUFEED_STAGE_COPY", "torch").strip().lower() or "torch"
-if STAGE_COPY not in ("torch", "threads"):
-    raise ValueError(f"GPUFEED_STAGE_COPY must be 'torch' or 'threads', got {STAGE_COPY!r}")
+#: How pageable tensors are copied into pinned buffers: ``auto`` (gpufeed's compiled copy on its own
+#: threads, built on first use; torch's where no C compiler is found), ``torch`` (torch's parallel
+#: ``copy_``, its OpenMP threads) or ``threads`` (``memmove`` pieces on gpufeed's Python worker threads).
+#: All run off the training thread. ``GPUFEED_STAGE_COPY`` picks; see docs/tuning.md.
+STAGE_COPY = os.environ.get("GPUFEED_STAGE_COPY", "auto").strip().lower() or "auto"
+if STAGE_COPY not in ("auto", "torch", "threads"):
+    raise ValueError(f"GPUFEED_STAGE_COPY must be 'auto', 'torch' or 'threads', got {STAGE_COPY!r}")
 
 
 #: Work this small (a packed chunk of small tensors, a small batch's one read) runs on the background
