@@ -15,9 +15,11 @@ from gpufeed import _nvtx, staging
 from gpufeed._tracing import TraceRecorder
 from gpufeed._tree import flatten
 from gpufeed.staging import (
+    Chunk,
     ChunkPipeline,
     PinnedPool,
     PinnedUnavailable,
+    layout,
     plan_chunks,
     warn_pageable,
 )
@@ -116,43 +118,55 @@ class Copier:
 
     def _to_cuda(self, raw: Any, stop: threading.Event) -> Delivered:
         leaves, rebuild = flatten(raw)
-        out: list[torch.Tensor] = []
+        out: list[torch.Tensor | None] = []
         fresh: list[torch.Tensor] = []
         keep: list[torch.Tensor] = []
-        staged_leaves: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged_at: list[int] = []  # indices in ``out`` of the leaves staged through pinned buffers
         nbytes = staged = 0
         with torch.cuda.stream(self.stream), _nvtx.range("gpufeed.copy"):
             start = self._begin()
+            pinned_ok: bool | None = None  # asked at the first pageable leaf (it warns once when False)
             for t in leaves:
                 if t.device == self.device:
                     out.append(t)  # already there: not copied again
                     continue
+                n = t.numel() * t.element_size()
+                nbytes += n
+                pageable = n > 0 and not t.is_cuda and not t.is_pinned()
+                if pageable and (pinned_ok if pinned_ok is not None else (pinned_ok := self._pinned_ok())):
+                    staged_at.append(len(out))
+                    out.append(None)  # a view of the batch's device block, below
+                    continue
                 dst = torch.empty(t.shape, dtype=t.dtype, device=self.device)
                 out.append(dst)
                 fresh.append(dst)
-                n = t.numel() * t.element_size()
-                nbytes += n
-                if n == 0:
-                    continue
-                if t.is_cuda or t.is_pinned():
+                if pageable:
+                    dst.copy_(t)  # pinned staging is off: pageable copy, still off the consumer's thread
+                elif n:
                     dst.copy_(t, non_blocking=True)
                     keep.append(t)
-                elif self._pinned_ok():
-                    src = t.contiguous()
-                    keep.append(src)
-                    staged_leaves.append((src, dst))
+            chunks: list[Chunk] = []
+            if staged_at:
+                # The staged leaves share one device allocation, laid out as the chunks are: one
+                # allocation, one host-to-device copy per chunk and one record_stream per batch.
+                srcs = [leaves[i].contiguous() for i in staged_at]
+                offsets, total = layout([s.numel() * s.element_size() for s in srcs])
+                block = torch.empty(total, dtype=torch.uint8, device=self.device)
+                fresh.append(block)
+                keep += srcs
+                for i, src, off in zip(staged_at, srcs, offsets, strict=True):
+                    n = src.numel() * src.element_size()
+                    out[i] = block[off : off + n].view(src.dtype).view(src.shape)
                     staged += n
-                else:
-                    dst.copy_(t)  # pageable fallback, still off the consumer's thread
-            chunks = plan_chunks(staged_leaves, self.pool.chunk_bytes, self._leaf_fill)
+                chunks = plan_chunks([(s, None) for s in srcs], self.pool.chunk_bytes, self._leaf_fill, block)
             t0 = time.perf_counter()
             with _nvtx.range("gpufeed.stage"):
                 try:
                     self.pipeline.run(chunks, stop)
                 except PinnedUnavailable:  # pinning failed mid-way: copy this batch from pageable memory
                     self._pinned_ok()
-                    for src, dst in staged_leaves:
-                        dst.copy_(src)
+                    for i in staged_at:
+                        out[i].copy_(leaves[i])
             stage_s = time.perf_counter() - t0
             delivered = self.seal(rebuild(out), fresh, start, keep)
         self.stats.add(bytes=nbytes, staged_bytes=staged, stage_s=stage_s if chunks else 0.0)

@@ -222,7 +222,7 @@ def fill_segments(buf: torch.Tensor, segments: Sequence[tuple[torch.Tensor, int]
     if total >= SMALL_FILL_BYTES and STAGE_COPY == "auto":
         lib = _hostcopy.load()
         if lib is not None:
-            _hostcopy.copy(lib, base, parts, min(torch.get_num_threads(), -(-total // _hostcopy.PIECE_BYTES)))
+            _hostcopy.copy(lib, base, parts, min(copy_threads(), -(-total // _hostcopy.PIECE_BYTES)))
             return
     for (addr, off, n), (src, _) in zip(parts, segments, strict=True):
         if n >= SMALL_FILL_BYTES:
@@ -231,24 +231,39 @@ def fill_segments(buf: torch.Tensor, segments: Sequence[tuple[torch.Tensor, int]
             ctypes.memmove(base + off, addr, n)
 
 
-def plan_chunks(leaves: Sequence[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: int,
-                fill_bytes: int | None = None) -> list[Chunk]:
+def copy_threads() -> int:
+    """Threads of the compiled staging copy (the background thread included): ``GPUFEED_COPY_THREADS``,
+    else torch's intra-op thread count less one, so the training thread keeps a core to launch kernels.
+    """
+    if COPY_THREADS:
+        return COPY_THREADS
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(torch.get_num_threads(), cpus) - 1)
+
+
+def plan_chunks(leaves: Sequence[tuple[torch.Tensor, torch.Tensor | None]], chunk_bytes: int,
+                fill_bytes: int | None = None, block: torch.Tensor | None = None) -> list[Chunk]:
     """Chunks that stage each contiguous host tensor ``src`` of ``leaves`` into its device tensor ``dst``.
 
-    The leaves are laid end to end, each at a 64-byte boundary, and cut into chunks of ``chunk_bytes``:
-    a 64 MiB batch of four tensors takes two 32 MiB chunks, as one tensor would, and every byte is copied
-    by all cores. (Filling small tensors apart, one worker ``memmove`` each, left one core copying
-    4 MiB while the others waited: 31 GB/s where the same bytes as one tensor staged at 45 on an H200
-    machine, ``benchmarks/_diag_shape.py``.)
+    The leaves are laid end to end, each at a 64-byte boundary (:func:`layout`), and cut into chunks of
+    ``chunk_bytes``: a 64 MiB batch of four tensors takes two 32 MiB chunks, as one tensor would, and
+    every byte is copied by all cores. (Filling small tensors apart, one worker ``memmove`` each, left one
+    core copying 4 MiB while the others waited: 31 GB/s where the same bytes as one tensor staged at 45
+    on an H200 machine, ``benchmarks/_diag_shape.py``.)
+
+    With ``block``, a flat uint8 device tensor laid out the same way (the ``dst`` are then ignored and
+    may be None), each chunk is copied to the device in one piece.
 
     Without ``fill_bytes`` the chunks are filled on the pipeline's thread (``segments``); with it, by
     worker-thread ``memmove`` pieces of at most that size (``fills``, ``GPUFEED_STAGE_COPY=threads``).
     """
+    chunk_bytes = chunk_bytes // 64 * 64  # leaves stay 64-byte aligned across chunks
     chunks: list[Chunk] = []
     chunk: Chunk | None = None
     off = 0
     for src, dst in leaves:
-        src_bytes, dst_bytes = byte_view(src), byte_view(dst)
+        src_bytes = byte_view(src)
+        dst_bytes = byte_view(dst) if block is None else None
         total, pos = src_bytes.numel(), 0
         while pos < total:
             if chunk is None or off >= chunk_bytes:
@@ -260,11 +275,31 @@ def plan_chunks(leaves: Sequence[tuple[torch.Tensor, torch.Tensor]], chunk_bytes
             else:
                 base = src.data_ptr() + pos
                 chunk.fills += [memcpy_fill(base + o, off + o, m) for o, m in split(n, fill_bytes)]
-            chunk.copies.append((dst_bytes[pos : pos + n], off, n))
+            if dst_bytes is not None:
+                chunk.copies.append((dst_bytes[pos : pos + n], off, n))
             chunk.nbytes = off + n
             pos += n
-            off = -(-(off + n) // 64) * 64
+            off = align(off + n)
+    if block is not None:
+        for i, chunk in enumerate(chunks):
+            start = i * chunk_bytes
+            chunk.copies = [(block[start : start + chunk.nbytes], 0, chunk.nbytes)]
     return chunks
+
+
+def align(n: int) -> int:
+    """``n`` rounded up to a multiple of 64 bytes (a cache line; every dtype's alignment)."""
+    return -(-n // 64) * 64
+
+
+def layout(nbytes: Sequence[int]) -> tuple[list[int], int]:
+    """Offsets of tensors of ``nbytes`` laid end to end at 64-byte boundaries, and the bytes they span:
+    the layout :func:`plan_chunks` stages them in (its chunk size is a multiple of 64)."""
+    offsets, end = [], 0
+    for n in nbytes:
+        offsets.append(end)
+        end = align(end + n)
+    return offsets, (offsets[-1] + nbytes[-1]) if nbytes else 0
 
 
 def plan_leaf_chunks(src: torch.Tensor, dst: torch.Tensor, chunk_bytes: int,
@@ -287,6 +322,9 @@ def split(total: int, piece: int) -> list[tuple[int, int]]:
 #: threads, built on first use; torch's where no C compiler is found), ``torch`` (torch's parallel
 #: ``copy_``, its OpenMP threads) or ``threads`` (``memmove`` pieces on gpufeed's Python worker threads).
 #: All run off the training thread. ``GPUFEED_STAGE_COPY`` picks; see docs/tuning.md.
+COPY_THREADS = int(os.environ.get("GPUFEED_COPY_THREADS", "0") or 0)
+if COPY_THREADS < 0:
+    raise ValueError(f"GPUFEED_COPY_THREADS must be >= 0 (0: the default), got {COPY_THREADS}")
 STAGE_COPY = os.environ.get("GPUFEED_STAGE_COPY", "auto").strip().lower() or "auto"
 if STAGE_COPY not in ("auto", "torch", "threads"):
     raise ValueError(f"GPUFEED_STAGE_COPY must be 'auto', 'torch' or 'threads', got {STAGE_COPY!r}")
