@@ -35,12 +35,14 @@ def in_thread(fn, cpus=None):
     return box["r"]
 
 
-def ring(chunk, nslots, srcs, dma=True, slots=None):
+def ring(chunk, nslots, srcs, dma=True, slots=None, fill=None):
     """End-to-end GB/s of 64 batches staged in ``chunk`` pieces through ``nslots`` pinned buffers.
 
     ``slots``: the buffers to use (each at least ``chunk`` bytes), e.g. write-combined ones; default
-    ``nslots`` fresh pinned buffers. ``dma=False`` times the staging copies alone.
+    ``nslots`` fresh pinned buffers. ``dma=False`` times the staging copies alone. ``fill(dst, src)``:
+    the staging copy (default ``dst.copy_(src)``).
     """
+    fill = fill or (lambda dst, src: dst.copy_(src))
     if slots is None:
         slots = [torch.zeros(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(nslots)]
     nslots = len(slots)
@@ -57,7 +59,7 @@ def ring(chunk, nslots, srcs, dma=True, slots=None):
                 c += 1
                 if events[j] is not None:
                     events[j].synchronize()
-                slots[j][: min(chunk, SIZE - o)].copy_(src[o : o + chunk])
+                fill(slots[j][: min(chunk, SIZE - o)], src[o : o + chunk])
                 if dma:
                     with torch.cuda.stream(stream):
                         dev[i % 4][o : o + chunk].copy_(slots[j][: min(chunk, SIZE - o)], non_blocking=True)

@@ -134,3 +134,62 @@ def test_stats_time_the_copies():
     assert s.batches == 8 and s.bytes == sum(
         v.numel() * v.element_size() for b in data for v in b.values() if isinstance(v, torch.Tensor))
     assert s.copy_s > 0 and s.h2d_GBps > 0.5
+
+
+def test_unpinned_batches_go_through_the_compiled_stage_call_bit_exact(monkeypatch):
+    """With the compiled copy, each group of chunks is filled and sent in one GIL-free call; the bytes
+    equal those of torch's copy path, over many chunks per batch and several groups per batch."""
+    from gpufeed import _hostcopy, staging
+
+    if staging.STAGE_COPY != "auto" or _hostcopy.load() is None:
+        pytest.skip(f"compiled copy not in use: {_hostcopy.status}")
+    calls = []
+    stage = _hostcopy.stage
+
+    def counted(lib, work, *a):
+        calls.append(len(work))
+        return stage(lib, work, *a)
+
+    monkeypatch.setattr(_hostcopy, "stage", counted)
+    data = host_batches(12, "unpinned", seed=11, rows=(2000, 9000))
+    expected = [{k: digest(v.cuda()).item() for k, v in b.items() if k != "i"} for b in data]
+    for mode in ("auto", "torch"):
+        monkeypatch.setattr(staging, "STAGE_COPY", mode)
+        calls.clear()
+        with CudaPrefetcher(data, depth=2, chunk_bytes=64 << 10) as pf:
+            got = []
+            for b in pf:
+                torch.cuda._sleep(SLEEP_CYCLES)
+                got.append({k: digest(v).item() for k, v in b.items() if k != "i"})
+            assert got == expected, mode
+            assert len(pf._pool._free) == pf._pool.allocations  # every buffer back in the pool
+        if mode == "auto":  # several chunks per call, several calls per batch (hot set of 4 chunks)
+            assert len(calls) > len(data) and max(calls) > 1 and max(calls) <= 4, calls
+        else:
+            assert calls == []
+
+
+def test_a_failed_stage_call_arrives_after_the_batches_before_it(monkeypatch):
+    from gpufeed import _hostcopy, staging
+
+    if staging.STAGE_COPY != "auto" or _hostcopy.load() is None:
+        pytest.skip(f"compiled copy not in use: {_hostcopy.status}")
+    stage, n = _hostcopy.stage, []
+
+    def failing(lib, work, *a):
+        n.append(1)
+        if len(n) == 6:  # issue the first chunk of this group, then fail as a driver error would
+            stage(lib, work[:1], *a)
+            raise _hostcopy.StageError("gpufeed: CUDA driver error 700 (CUDA_ERROR_ILLEGAL_ADDRESS)", 1)
+        return stage(lib, work, *a)
+
+    monkeypatch.setattr(_hostcopy, "stage", failing)
+    data = [{"x": torch.full((1 << 20,), i, dtype=torch.uint8)} for i in range(8)]  # one chunk, one call each
+    with CudaPrefetcher(data, depth=2, chunk_bytes=1 << 20) as pf:
+        got = []
+        with pytest.raises(_hostcopy.StageError, match="error 700"):
+            for b in pf:
+                got.append(int(b["x"][0]))
+        assert got == [0, 1, 2, 3, 4]
+        pf._pool.clear()  # waits for the issued copy; every buffer was returned
+        assert pf._pool.allocated == 0

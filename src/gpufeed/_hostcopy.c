@@ -111,6 +111,10 @@ int gpufeed_copy(char *const *dst, char *const *src, const size_t *len, const si
                  size_t piece, int threads) {
     struct job j = {.dst = dst, .src = src, .len = len, .first = first, .count = count, .piece = piece};
     atomic_init(&j.next, 0);
+    if (threads <= 1) { /* too little to wake the team for */
+        run(&j);
+        return 0;
+    }
     pthread_mutex_lock(&call_mu);
     int rc = grow(threads);
     if (rc != 0) {
@@ -130,6 +134,47 @@ int gpufeed_copy(char *const *dst, char *const *src, const size_t *len, const si
     current = NULL;
     pthread_mutex_unlock(&mu);
     pthread_mutex_unlock(&call_mu);
+    return 0;
+}
+
+/* The CUDA driver's cuMemcpyHtoDAsync_v2 and cuEventRecord (CUresult, CUdeviceptr, CUstream, CUevent),
+ * passed in by the caller from libcuda.so.1, which torch has loaded: this file needs no CUDA headers. */
+typedef int (*memcpy_h2d_fn)(unsigned long long dst, const void *src, size_t n, void *stream);
+typedef int (*event_record_fn)(void *event, void *stream);
+
+/* Stage `nchunks` chunks through pinned buffers in one call, so the calling thread neither returns to
+ * Python nor takes the GIL between them. Chunk c: copy its segments seg_first[c] .. seg_first[c+1]-1
+ * (dst, src, len as for gpufeed_copy; its piece index array starts at first + seg_first[c] + c) on the
+ * team; then, on the calling thread, issue its host-to-device copies copy_first[c] .. copy_first[c+1]-1
+ * (cp_dev <- cp_host, cp_len bytes) on `stream` and record events[c] behind them. Chunk c + 1 is filled
+ * while chunk c is on the link. Returns 0; or the CUresult of the call that failed (its chunk in
+ * *failed; chunks before it were issued), or -errno when the team could not start (nothing issued). */
+int gpufeed_stage(int nchunks, const int *seg_first, char *const *dst, char *const *src, const size_t *len,
+                  const size_t *first, size_t piece, int threads, const int *copy_first,
+                  const unsigned long long *cp_dev, char *const *cp_host, const size_t *cp_len,
+                  void *const *events, void *stream, memcpy_h2d_fn h2d, event_record_fn record, int *failed) {
+    for (int c = 0; c < nchunks; c++) {
+        int a = seg_first[c], count = seg_first[c + 1] - a;
+        if (count > 0) {
+            int rc = gpufeed_copy(dst + a, src + a, len + a, first + a + c, count, piece, threads);
+            if (rc != 0) {
+                *failed = c;
+                return -rc;
+            }
+        }
+        for (int k = copy_first[c]; k < copy_first[c + 1]; k++) {
+            int rc = h2d(cp_dev[k], cp_host[k], cp_len[k], stream);
+            if (rc != 0) {
+                *failed = c;
+                return rc;
+            }
+        }
+        int rc = record(events[c], stream);
+        if (rc != 0) {
+            *failed = c;
+            return rc;
+        }
+    }
     return 0;
 }
 

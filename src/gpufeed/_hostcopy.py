@@ -21,6 +21,7 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 PIECE_BYTES = 256 << 10  # 1 MiB pieces ran slower (44.8 against 54.1 GB/s end to end, same machine)
 _SOURCE = Path(__file__).with_name("_hostcopy.c")
@@ -92,6 +93,11 @@ def _open(path: Path) -> ctypes.CDLL:
     sizes = ctypes.POINTER(ctypes.c_size_t)
     lib.gpufeed_copy.argtypes = [ptrs, ptrs, sizes, sizes, ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
     lib.gpufeed_copy.restype = ctypes.c_int
+    vp, ip = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)
+    ints, ulls = ctypes.c_int, ctypes.POINTER(ctypes.c_ulonglong)
+    lib.gpufeed_stage.argtypes = [ints, ip, ptrs, ptrs, sizes, sizes, ctypes.c_size_t, ints, ip, ulls, ptrs,
+                                  sizes, ptrs, vp, vp, vp, ip]
+    lib.gpufeed_stage.restype = ctypes.c_int
     status = f"built {path}"
     return lib
 
@@ -111,3 +117,96 @@ def copy(lib: ctypes.CDLL, base: int, segments: Sequence[tuple[int, int, int]], 
     rc = lib.gpufeed_copy(dst, src, lens, first, count, PIECE_BYTES, max(1, threads))
     if rc != 0:
         raise OSError(rc, f"gpufeed: could not start the staging copy's threads: {os.strerror(rc)}")
+
+
+_driver: tuple[int, int, Any] | None = None
+_driver_error: str | None = None
+
+
+def driver_ok() -> bool:
+    """Whether the CUDA driver's functions were found (once; the Python path is used otherwise)."""
+    global _driver_error
+    if _driver is None and _driver_error is None:
+        try:
+            driver()
+        except (OSError, AttributeError) as exc:
+            _driver_error = str(exc)
+    return _driver is not None
+
+
+def driver() -> tuple[int, int, Any]:
+    """Addresses of the CUDA driver's ``cuMemcpyHtoDAsync_v2`` and ``cuEventRecord``, and the library."""
+    global _driver
+    if _driver is None:
+        cuda = ctypes.CDLL("libcuda.so.1")  # loaded already by torch's CUDA runtime
+        h2d = ctypes.cast(cuda.cuMemcpyHtoDAsync_v2, ctypes.c_void_p).value
+        record = ctypes.cast(cuda.cuEventRecord, ctypes.c_void_p).value
+        _driver = (h2d, record, cuda)
+    return _driver
+
+
+def _error_name(cuda: Any, code: int) -> str:
+    name = ctypes.c_char_p()
+    if cuda.cuGetErrorName(code, ctypes.byref(name)) == 0 and name.value:
+        return name.value.decode()
+    return "unknown"
+
+
+class StageError(RuntimeError):
+    """A CUDA driver call of :func:`stage` failed; ``issued`` chunks before it were issued whole."""
+
+    def __init__(self, message: str, issued: int) -> None:
+        super().__init__(message)
+        self.issued = issued
+
+
+Triple = tuple[int, int, int]
+
+
+def stage(lib: ctypes.CDLL, work: Sequence[tuple[int, Sequence[Triple], Sequence[Triple], int]], stream: int,
+          threads: int) -> None:
+    """Fill and send chunks in one call (``gpufeed_stage``), the GIL released throughout.
+
+    ``work``: per chunk, ``(host_base, segments, copies, event)``: each ``(src_address, offset, n)`` of
+    ``segments`` is copied to ``host_base + offset`` on the copy team; then each ``(device_address,
+    offset, n)`` of ``copies`` is sent from ``host_base + offset`` on ``stream`` (a raw CUstream) and the
+    raw CUevent ``event`` is recorded behind them.
+    """
+    h2d, record, cuda = driver()
+    nseg = sum(len(w[1]) for w in work)
+    ncp = sum(len(w[2]) for w in work)
+    n = len(work)
+    seg_first = (ctypes.c_int * (n + 1))()
+    dst = (ctypes.c_void_p * max(1, nseg))()
+    src = (ctypes.c_void_p * max(1, nseg))()
+    lens = (ctypes.c_size_t * max(1, nseg))()
+    first = (ctypes.c_size_t * (nseg + n))()
+    copy_first = (ctypes.c_int * (n + 1))()
+    cp_dev = (ctypes.c_ulonglong * max(1, ncp))()
+    cp_host = (ctypes.c_void_p * max(1, ncp))()
+    cp_len = (ctypes.c_size_t * max(1, ncp))()
+    events = (ctypes.c_void_p * n)()
+    s = k = 0
+    for c, (base, segments, copies, event) in enumerate(work):
+        seg_first[c], copy_first[c], events[c] = s, k, event
+        pieces = 0
+        for i, (addr, off, m) in enumerate(segments):
+            dst[s + i], src[s + i], lens[s + i] = base + off, addr, m
+            first[s + c + i] = pieces
+            pieces += -(-m // PIECE_BYTES)
+        first[s + c + len(segments)] = pieces
+        s += len(segments)
+        for dev, off, m in copies:
+            cp_dev[k], cp_host[k], cp_len[k] = dev, base + off, m
+            k += 1
+    seg_first[n], copy_first[n] = s, k
+    threads = min(threads, max(first[seg_first[c + 1] + c] for c in range(n)))  # no more than pieces
+    failed = ctypes.c_int(-1)
+    rc = lib.gpufeed_stage(n, seg_first, dst, src, lens, first, PIECE_BYTES, max(1, threads), copy_first,
+                           cp_dev, cp_host, cp_len, events, stream, h2d, record, ctypes.byref(failed))
+    if rc < 0:
+        why = f"could not start the staging copy's threads: {os.strerror(-rc)}"
+        raise StageError(f"gpufeed: {why}", failed.value)
+    if rc > 0:
+        why = f"CUDA driver error {rc} ({_error_name(cuda, rc)}) sending chunk {failed.value}"
+        raise StageError(f"gpufeed: {why}", failed.value)

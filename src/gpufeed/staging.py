@@ -162,6 +162,12 @@ class PinnedPool:
         with self._lock:
             self._free.append(buf)
 
+    def release_in_flight(self, buf: _Buffer) -> None:
+        """Return ``buf`` whose event was recorded behind its copies already (by ``gpufeed_stage``)."""
+        buf.busy = True
+        with self._lock:
+            self._free.append(buf)
+
     def _allocate(self, size: int) -> _Buffer | None:
         try:
             tensor = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
@@ -364,6 +370,10 @@ class ChunkPipeline:
         self.threads: int = executor._max_workers  # reads per batch are split so every worker has one
 
     def run(self, chunks: Sequence[Chunk], stop: threading.Event) -> None:
+        lib = self._stage_lib(chunks)
+        if lib is not None:
+            self._run_staged(lib, chunks, stop)
+            return
         # pending entries: (chunk, buffer, futures of its worker fills). Worker fills (packed small
         # tensors) are submitted as soon as they have a buffer, so they run while the next inline
         # torch copy runs.
@@ -407,6 +417,58 @@ class ChunkPipeline:
                 for fut in futs:
                     _result(fut, None, swallow=True)
                 self.pool.release(buf, None)
+
+    def _stage_lib(self, chunks: Sequence[Chunk]) -> Any:
+        """The compiled library when these chunks can go through ``gpufeed_stage``, else None."""
+        if self.stream is None or STAGE_COPY != "auto" or not chunks or self.trace is not None:
+            return None
+        if any(c.fills or not c.segments for c in chunks):
+            return None
+        return _hostcopy.load() if _hostcopy.driver_ok() else None
+
+    def _run_staged(self, lib: Any, chunks: Sequence[Chunk], stop: threading.Event) -> None:
+        """Fill and send the chunks in as few GIL-free calls as the pool's free buffers allow.
+
+        Each call takes every chunk that has a buffer (the first waits for one): the background thread
+        then stays in C for the whole batch, where it used to take the GIL a dozen times per batch, and
+        each time could hold up the training thread's next torch call.
+        """
+        stream = self.stream.cuda_stream
+        todo = collections.deque(chunks)
+        threads = copy_threads()
+        most = max(1, self.pool.hot_bytes // self.pool.chunk_bytes)  # the buffers out at once stay hot
+        while todo:
+            buf = self.pool.acquire(todo[0].nbytes, stop, hot=True)
+            group = [(todo.popleft(), buf)]
+            while todo and len(group) < most and (buf := self.pool.try_acquire(todo[0].nbytes, hot=True)):
+                group.append((todo.popleft(), buf))
+            work = []
+            for chunk, buf in group:
+                segments = [(src.data_ptr(), off, src.numel()) for src, off in chunk.segments]
+                copies = [(dst.data_ptr(), off, n) for dst, off, n in chunk.copies]
+                work.append((buf.tensor.data_ptr(), segments, copies, self._event(buf)))
+            try:
+                _hostcopy.stage(lib, work, stream, threads)
+            except _hostcopy.StageError as exc:
+                for i, (_, buf) in enumerate(group):
+                    if i < exc.issued:
+                        self.pool.release_in_flight(buf)
+                    else:
+                        self.pool.release(buf, None)
+                raise
+            except BaseException:
+                for _, buf in group:
+                    self.pool.release(buf, None)
+                raise
+            for _, buf in group:
+                self.pool.release_in_flight(buf)
+
+    def _event(self, buf: _Buffer) -> int:
+        """The raw CUevent of ``buf``'s event, created (recorded once on the copy stream) when new."""
+        if buf.event is None:
+            buf.event = torch.cuda.Event()
+            buf.event.record(self.stream)
+        return buf.event.cuda_event
 
     def _jobs(self, chunk: Chunk, buf: torch.Tensor) -> list[Callable[[], None]]:
         jobs = [functools.partial(f, buf) for f in chunk.fills]
