@@ -336,3 +336,28 @@ def test_the_compiled_copy_works_in_a_forked_child_even_mid_copy():
     finally:
         stop.set()
         t.join(30)
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 5000, 1 << 20])
+def test_plan_raw_moves_every_leaf_into_its_place_in_the_block(chunk_bytes):
+    """plan_raw's chunks, carried out by memmove (fill, then send), leave each leaf at its layout offset."""
+    import ctypes
+
+    from gpufeed.staging import layout, plan_raw
+
+    srcs, _, _ = _segments(5, [1, 63, 4096, 70_001, 8, 300_000])
+    sizes = [s.numel() for s in srcs]
+    offsets, total = layout(sizes)
+    block = torch.zeros(total, dtype=torch.uint8)
+    chunks = plan_raw([(s.data_ptr(), s.numel()) for s in srcs], chunk_bytes, block.data_ptr())
+    assert all(c.nbytes <= chunk_bytes for c in chunks)
+    assert len(chunks) == -(-total // (chunk_bytes // 64 * 64))
+    buf = torch.empty(chunk_bytes, dtype=torch.uint8)
+    for c in chunks:
+        buf.fill_(0xEE)
+        for addr, off, n in c.segments:
+            ctypes.memmove(buf.data_ptr() + off, addr, n)
+        for dev, off, n in c.copies:
+            ctypes.memmove(dev, buf.data_ptr() + off, n)
+    for src, off in zip(srcs, offsets, strict=True):
+        assert torch.equal(block[off : off + src.numel()], src)

@@ -19,8 +19,10 @@ from gpufeed.staging import (
     ChunkPipeline,
     PinnedPool,
     PinnedUnavailable,
+    RawChunk,
     layout,
     plan_chunks,
+    plan_raw,
     warn_pageable,
 )
 from gpufeed.stats import PrefetchStats
@@ -145,24 +147,34 @@ class Copier:
                 elif n:
                     dst.copy_(t, non_blocking=True)
                     keep.append(t)
-            chunks: list[Chunk] = []
+            chunks: list[Chunk] | list[RawChunk] = []
+            lib = None
             if staged_at:
                 # The staged leaves share one device allocation, laid out as the chunks are: one
                 # allocation, one host-to-device copy per chunk and one record_stream per batch.
                 srcs = [leaves[i].contiguous() for i in staged_at]
-                offsets, total = layout([s.numel() * s.element_size() for s in srcs])
+                sizes = [s.numel() * s.element_size() for s in srcs]
+                offsets, total = layout(sizes)
                 block = torch.empty(total, dtype=torch.uint8, device=self.device)
                 fresh.append(block)
                 keep += srcs
-                for i, src, off in zip(staged_at, srcs, offsets, strict=True):
-                    n = src.numel() * src.element_size()
+                for i, src, off, n in zip(staged_at, srcs, offsets, sizes, strict=True):
                     out[i] = block[off : off + n].view(src.dtype).view(src.shape)
                     staged += n
-                chunks = plan_chunks([(s, None) for s in srcs], self.pool.chunk_bytes, self._leaf_fill, block)
+                lib = self.pipeline.staged_lib() if self._leaf_fill is None else None
+                cb = self.pool.chunk_bytes
+                if lib is not None:  # addresses only: the whole batch in one or two GIL-free calls
+                    leaves_at = [(s.data_ptr(), n) for s, n in zip(srcs, sizes, strict=True)]
+                    chunks = plan_raw(leaves_at, cb, block.data_ptr())
+                else:
+                    chunks = plan_chunks([(s, None) for s in srcs], cb, self._leaf_fill, block)
             t0 = time.perf_counter()
             with _nvtx.range("gpufeed.stage"):
                 try:
-                    self.pipeline.run(chunks, stop)
+                    if lib is not None:
+                        self.pipeline.run_raw(lib, chunks, stop)
+                    else:
+                        self.pipeline.run(chunks, stop)
                 except PinnedUnavailable:  # pinning failed mid-way: copy this batch from pageable memory
                     self._pinned_ok()
                     for i in staged_at:

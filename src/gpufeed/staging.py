@@ -293,6 +293,40 @@ def plan_chunks(leaves: Sequence[tuple[torch.Tensor, torch.Tensor | None]], chun
     return chunks
 
 
+@dataclass
+class RawChunk:
+    """A chunk in addresses, for :meth:`ChunkPipeline.run_raw`: each ``(src_address, offset, n)`` of
+    ``segments`` is copied into the pinned buffer at ``offset``; each ``(device_address, offset, n)`` of
+    ``copies`` is sent from the buffer at ``offset``."""
+
+    nbytes: int
+    segments: list[tuple[int, int, int]]
+    copies: list[tuple[int, int, int]]
+
+
+def plan_raw(leaves: Sequence[tuple[int, int]], chunk_bytes: int, block: int) -> list[RawChunk]:
+    """:func:`plan_chunks` for ``(address, nbytes)`` host leaves into device address ``block`` (laid out by
+    :func:`layout`), in integers: no torch call, so no GIL handoff, per leaf or chunk."""
+    chunk_bytes = chunk_bytes // 64 * 64
+    chunks: list[RawChunk] = []
+    chunk: RawChunk | None = None
+    off = 0
+    for addr, total in leaves:
+        pos = 0
+        while pos < total:
+            if chunk is None or off >= chunk_bytes:
+                chunk, off = RawChunk(0, [], []), 0
+                chunks.append(chunk)
+            n = min(total - pos, chunk_bytes - off)
+            chunk.segments.append((addr + pos, off, n))
+            chunk.nbytes = off + n
+            pos += n
+            off = align(off + n)
+    for i, chunk in enumerate(chunks):
+        chunk.copies.append((block + i * chunk_bytes, 0, chunk.nbytes))
+    return chunks
+
+
 def align(n: int) -> int:
     """``n`` rounded up to a multiple of 64 bytes (a cache line; every dtype's alignment)."""
     return -(-n // 64) * 64
@@ -370,10 +404,6 @@ class ChunkPipeline:
         self.threads: int = executor._max_workers  # reads per batch are split so every worker has one
 
     def run(self, chunks: Sequence[Chunk], stop: threading.Event) -> None:
-        lib = self._stage_lib(chunks)
-        if lib is not None:
-            self._run_staged(lib, chunks, stop)
-            return
         # pending entries: (chunk, buffer, futures of its worker fills). Worker fills (packed small
         # tensors) are submitted as soon as they have a buffer, so they run while the next inline
         # torch copy runs.
@@ -418,20 +448,20 @@ class ChunkPipeline:
                     _result(fut, None, swallow=True)
                 self.pool.release(buf, None)
 
-    def _stage_lib(self, chunks: Sequence[Chunk]) -> Any:
-        """The compiled library when these chunks can go through ``gpufeed_stage``, else None."""
-        if self.stream is None or STAGE_COPY != "auto" or not chunks or self.trace is not None:
+    def staged_lib(self) -> Any:
+        """The compiled library when batches can go through :meth:`run_raw`, else None (then :meth:`run`)."""
+        if self.stream is None or STAGE_COPY != "auto" or self.trace is not None:
             return None
-        if any(c.fills or not c.segments for c in chunks):
-            return None
-        return _hostcopy.load() if _hostcopy.driver_ok() else None
+        lib = _hostcopy.load()
+        return lib if lib is not None and _hostcopy.driver_ok() else None
 
-    def _run_staged(self, lib: Any, chunks: Sequence[Chunk], stop: threading.Event) -> None:
+    def run_raw(self, lib: Any, chunks: Sequence[RawChunk], stop: threading.Event) -> None:
         """Fill and send the chunks in as few GIL-free calls as the pool's free buffers allow.
 
-        Each call takes every chunk that has a buffer (the first waits for one): the background thread
-        then stays in C for the whole batch, where it used to take the GIL a dozen times per batch, and
-        each time could hold up the training thread's next torch call.
+        Each call takes every chunk that has a buffer (the first waits for one), up to the hot set: the
+        background thread then stays in C for a whole 64 MiB batch. Each GIL-releasing call it made
+        instead (a dozen torch calls per batch) let the training thread take the GIL, and the
+        background thread then waited for it back while the copy engine ran dry.
         """
         stream = self.stream.cuda_stream
         todo = collections.deque(chunks)
@@ -442,11 +472,7 @@ class ChunkPipeline:
             group = [(todo.popleft(), buf)]
             while todo and len(group) < most and (buf := self.pool.try_acquire(todo[0].nbytes, hot=True)):
                 group.append((todo.popleft(), buf))
-            work = []
-            for chunk, buf in group:
-                segments = [(src.data_ptr(), off, src.numel()) for src, off in chunk.segments]
-                copies = [(dst.data_ptr(), off, n) for dst, off, n in chunk.copies]
-                work.append((buf.tensor.data_ptr(), segments, copies, self._event(buf)))
+            work = [(buf.tensor.data_ptr(), c.segments, c.copies, self._event(buf)) for c, buf in group]
             try:
                 _hostcopy.stage(lib, work, stream, threads)
             except _hostcopy.StageError as exc:
