@@ -42,7 +42,8 @@ class CudaPrefetcher:
       ``__next__`` makes the consumer's current stream wait on that event only.
     * Device tensors of a batch are allocated on the copy stream and ``record_stream``-ed to the
       consumer's stream, so the caching allocator never hands their memory to a later copy while
-      kernels of the consumer may still read it - even when the user keeps the batch.
+      kernels of the consumer may still read it - even when the user keeps the batch. The staged
+      (pageable) tensors of one batch are views of one allocation, freed when the last is.
     * A pinned staging buffer is refilled only after the event behind the copy that read it completed
       (:class:`~gpufeed.staging.PinnedPool`).
     * At most ``depth`` batches are prefetched (copied or being copied) ahead of the batch the consumer
