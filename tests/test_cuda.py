@@ -193,3 +193,24 @@ def test_a_failed_stage_call_arrives_after_the_batches_before_it(monkeypatch):
         assert got == [0, 1, 2, 3, 4]
         pf._pool.clear()  # waits for the issued copy; every buffer was returned
         assert pf._pool.allocated == 0
+
+
+def test_staged_leaves_of_every_shape_and_dtype_arrive_as_contiguous_tensors_of_their_own():
+    """The staged leaves of a batch are views of one device allocation: each has its shape, dtype and
+    contiguous strides, its bytes exact, and writing one leaves the others intact."""
+    g = torch.Generator().manual_seed(3)
+    batch = {"scalar": torch.tensor(2.5, dtype=torch.float64), "cube": torch.randn(3, 5, 7, generator=g),
+             "c": torch.randn(9, generator=g, dtype=torch.complex64), "b": torch.rand(13, generator=g) > 0.5,
+             "t": torch.randn(6, 4, generator=g).t(),  # not contiguous on the host
+             "odd": torch.randint(0, 255, (1001,), dtype=torch.uint8),
+             "bf": torch.randn(17, 3, generator=g).bfloat16()}
+    with CudaPrefetcher([batch, batch], depth=2) as pf:
+        got = list(pf)
+    torch.cuda.synchronize()
+    for out in got:
+        for k, v in batch.items():
+            assert out[k].shape == v.shape and out[k].dtype == v.dtype and out[k].is_contiguous(), k
+            assert torch.equal(out[k].cpu(), v), k
+    got[0]["cube"].fill_(0)
+    assert torch.equal(got[0]["odd"].cpu(), batch["odd"])
+    assert torch.equal(got[0]["scalar"].cpu(), batch["scalar"])

@@ -20,6 +20,7 @@ from gpufeed.staging import (
     PinnedPool,
     PinnedUnavailable,
     RawChunk,
+    align,
     layout,
     plan_chunks,
     plan_raw,
@@ -61,6 +62,14 @@ class Delivered:
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 class Copier:
@@ -155,11 +164,16 @@ class Copier:
                 srcs = [leaves[i].contiguous() for i in staged_at]
                 sizes = [s.numel() * s.element_size() for s in srcs]
                 offsets, total = layout(sizes)
-                block = torch.empty(total, dtype=torch.uint8, device=self.device)
+                block = torch.empty(align(total), dtype=torch.uint8, device=self.device)
                 fresh.append(block)
                 keep += srcs
+                typed: dict[torch.dtype, torch.Tensor] = {}  # the block seen as each dtype, once per batch
                 for i, src, off, n in zip(staged_at, srcs, offsets, sizes, strict=True):
-                    out[i] = block[off : off + n].view(src.dtype).view(src.shape)
+                    view = typed.get(src.dtype)
+                    if view is None:
+                        view = typed[src.dtype] = block.view(src.dtype)
+                    strides = _contiguous_strides(src.shape)
+                    out[i] = view.as_strided(src.shape, strides, off // src.element_size())
                     staged += n
                 lib = self.pipeline.staged_lib() if self._leaf_fill is None else None
                 cb = self.pool.chunk_bytes
@@ -221,12 +235,17 @@ class Copier:
 
     def _collect(self, wait: bool = False) -> None:
         """Account copy times of batches whose copies completed; free host tensors they read."""
+        # Each CUDA call here releases the GIL and waits to take it back from the training thread: no
+        # synchronize() where query() already said done.
         while self._timings and (wait or self._timings[0][1].query()):
             start, end = self._timings.popleft()
-            end.synchronize()
+            if wait:
+                end.synchronize()
             self.stats.add(copy_s=start.elapsed_time(end) / 1e3)
         while self._retire and (wait or self._retire[0][0].query()):
-            self._retire.popleft()[0].synchronize()
+            end = self._retire.popleft()[0]
+            if wait:
+                end.synchronize()
 
     def finish(self) -> None:
         """The epoch's fetch thread is ending: account the last copies and stop the worker threads."""
