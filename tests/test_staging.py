@@ -361,3 +361,21 @@ def test_plan_raw_moves_every_leaf_into_its_place_in_the_block(chunk_bytes):
             ctypes.memmove(dev, buf.data_ptr() + off, n)
     for src, off in zip(srcs, offsets, strict=True):
         assert torch.equal(block[off : off + src.numel()], src)
+
+
+@pytest.mark.parametrize("fill_bytes", [None, 4096], ids=["inline", "threads"])
+def test_plan_chunks_into_one_block_puts_each_leaf_at_its_layout_offset(fill_bytes):
+    """With a block (the device allocation of a batch; host memory here), each chunk is one copy and
+    every leaf lands at the offset :func:`layout` gives it."""
+    from gpufeed.staging import layout, plan_chunks
+
+    srcs, _, _ = _segments(6, [5, 64, 20_000, 1, 40_000])
+    offsets, total = layout([s.numel() for s in srcs])
+    block = torch.zeros(total, dtype=torch.uint8)
+    chunks = plan_chunks([(s, None) for s in srcs], 16 << 10, fill_bytes, block)
+    assert all(len(c.copies) == 1 for c in chunks)
+    pool = PinnedPool(budget=256 << 10, chunk_bytes=16 << 10, pin=False)
+    with ThreadPoolExecutor(2) as ex:
+        ChunkPipeline(pool, ex, None, max_in_flight=8).run(chunks, STOP)
+    for src, off in zip(srcs, offsets, strict=True):
+        assert torch.equal(block[off : off + src.numel()], src)
