@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_prefetcher as bp
 from _diag_ring import in_thread
 
-import gpufeed._copier as copier_mod
 from gpufeed import CudaPrefetcher
 
 MiB = 1 << 20
@@ -231,10 +230,7 @@ def main() -> None:
         flush=True,
     )
     print("gpufeed default", gpufeed_rate(data), flush=True)
-    copier_mod.SMALL_LEAF_BYTES = 0
-    print("gpufeed no small packing", gpufeed_rate(data), flush=True)
-    print("gpufeed no packing chunk64", gpufeed_rate(data, chunk_bytes=64 * MiB), flush=True)
-    copier_mod.SMALL_LEAF_BYTES = 4 << 20
+    print("gpufeed chunk64", gpufeed_rate(data, chunk_bytes=64 * MiB), flush=True)
     for nt in (1, 2, 4):
         print(f"gpufeed num_threads={nt}", gpufeed_rate(data, num_threads=nt), flush=True)
 

@@ -172,6 +172,13 @@ def test_stage_copy_setting_is_checked():
     r = subprocess.run([sys.executable, "-c", "import gpufeed.staging as s; print(s.STAGE_COPY)"], env=env,
                        capture_output=True, text=True)
     assert r.stdout.strip() == "threads"
+    env["GPUFEED_COPY_THREADS"] = "eight"
+    r = subprocess.run([sys.executable, "-c", "import gpufeed"], env=env, capture_output=True, text=True)
+    assert "GPUFEED_COPY_THREADS must be a whole number >= 0 (0: the default), got 'eight'" in r.stderr
+    env["GPUFEED_COPY_THREADS"] = "3"
+    code = "import gpufeed.staging as s; print(s.copy_threads())"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.stdout.strip() == "3"
 
 
 def test_a_small_chunk_is_filled_without_waking_a_worker():
@@ -249,6 +256,27 @@ def test_the_compiled_copy_is_built_and_used(tmp_path, monkeypatch):
     parts = [(s.data_ptr(), o, s.numel()) for s, o in zip(srcs, offs, strict=True)]
     _hostcopy.copy(lib, buf.data_ptr(), parts, 5)
     assert all(torch.equal(buf[o : o + s.numel()], s) for s, o in zip(srcs, offs, strict=True))
+
+
+@needs_cc
+def test_the_compiled_copy_is_never_built_in_or_loaded_from_a_folder_others_can_write(tmp_path, monkeypatch):
+    import tempfile
+
+    from gpufeed import _hostcopy
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("GPUFEED_CACHE", str(shared))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(_hostcopy, "_tried", False)
+    monkeypatch.setattr(_hostcopy, "_lib", None)
+    assert _hostcopy.load() is not None
+    assert list(shared.iterdir()) == []  # nothing built or loaded there
+    built = list((tmp_path / "tmp").glob("gpufeed-*/hostcopy-*.so"))
+    assert len(built) == 1 and str(built[0]) in _hostcopy.status
+    assert built[0].parent.stat().st_mode & 0o077 == 0  # the fallback folder is private
 
 
 def test_without_a_compiler_staging_falls_back_to_torch(tmp_path, monkeypatch):
@@ -359,5 +387,23 @@ def test_plan_raw_moves_every_leaf_into_its_place_in_the_block(chunk_bytes):
             ctypes.memmove(buf.data_ptr() + off, addr, n)
         for dev, off, n in c.copies:
             ctypes.memmove(dev, buf.data_ptr() + off, n)
+    for src, off in zip(srcs, offsets, strict=True):
+        assert torch.equal(block[off : off + src.numel()], src)
+
+
+@pytest.mark.parametrize("fill_bytes", [None, 4096], ids=["inline", "threads"])
+def test_plan_chunks_into_one_block_puts_each_leaf_at_its_layout_offset(fill_bytes):
+    """With a block (the device allocation of a batch; host memory here), each chunk is one copy and
+    every leaf lands at the offset :func:`layout` gives it."""
+    from gpufeed.staging import layout, plan_chunks
+
+    srcs, _, _ = _segments(6, [5, 64, 20_000, 1, 40_000])
+    offsets, total = layout([s.numel() for s in srcs])
+    block = torch.zeros(total, dtype=torch.uint8)
+    chunks = plan_chunks([(s, None) for s in srcs], 16 << 10, fill_bytes, block)
+    assert all(len(c.copies) == 1 for c in chunks)
+    pool = PinnedPool(budget=256 << 10, chunk_bytes=16 << 10, pin=False)
+    with ThreadPoolExecutor(2) as ex:
+        ChunkPipeline(pool, ex, None, max_in_flight=8).run(chunks, STOP)
     for src, off in zip(srcs, offsets, strict=True):
         assert torch.equal(block[off : off + src.numel()], src)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -61,17 +62,26 @@ def _build() -> Path:
     if cc is None:
         raise OSError("no C compiler found (set CC, or install gcc)")
     flags = ["-O2", "-shared", "-fPIC", "-pthread"]
-    key = source + os.uname().machine.encode() + " ".join([cc, *flags]).encode()
+    # A home folder shared by machines of other architectures or C libraries gets one build for each.
+    key = b"|".join([source, os.uname().machine.encode(), " ".join(platform.libc_ver()).encode(),
+                     " ".join([cc, *flags]).encode()])
     tag = hashlib.sha256(key).hexdigest()[:16]
+    refused = []
     for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"gpufeed-{os.getuid()}"):
+        try:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            continue  # not writable: try the next folder
+        if not _private(folder):
+            refused.append(str(folder))
+            continue  # another user could have put a library there: never load from it
         lib = folder / f"hostcopy-{tag}.so"
         if lib.exists():
             return lib
         try:
-            folder.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
         except OSError:
-            continue  # not writable: try the next folder
+            continue
         os.close(fd)
         try:
             cmd = [cc, *flags, "-o", tmp, str(_SOURCE)]
@@ -83,7 +93,14 @@ def _build() -> Path:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         return lib
-    raise OSError(f"no writable folder for the compiled copy ({cache_dir()})")
+    why = f"; refused (not this user's, or writable by others): {', '.join(refused)}" if refused else ""
+    raise OSError(f"no writable folder for the compiled copy ({cache_dir()}){why}")
+
+
+def _private(folder: Path) -> bool:
+    """Whether ``folder`` is this user's and no one else can write to it."""
+    st = folder.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _open(path: Path) -> ctypes.CDLL:

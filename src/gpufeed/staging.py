@@ -362,9 +362,10 @@ def split(total: int, piece: int) -> list[tuple[int, int]]:
 #: threads, built on first use; torch's where no C compiler is found), ``torch`` (torch's parallel
 #: ``copy_``, its OpenMP threads) or ``threads`` (``memmove`` pieces on gpufeed's Python worker threads).
 #: All run off the training thread. ``GPUFEED_STAGE_COPY`` picks; see docs/tuning.md.
-COPY_THREADS = int(os.environ.get("GPUFEED_COPY_THREADS", "0") or 0)
-if COPY_THREADS < 0:
-    raise ValueError(f"GPUFEED_COPY_THREADS must be >= 0 (0: the default), got {COPY_THREADS}")
+_threads = os.environ.get("GPUFEED_COPY_THREADS", "").strip() or "0"
+if not _threads.isdigit():
+    raise ValueError(f"GPUFEED_COPY_THREADS must be a whole number >= 0 (0: the default), got {_threads!r}")
+COPY_THREADS = int(_threads)
 STAGE_COPY = os.environ.get("GPUFEED_STAGE_COPY", "auto").strip().lower() or "auto"
 if STAGE_COPY not in ("auto", "torch", "threads"):
     raise ValueError(f"GPUFEED_STAGE_COPY must be 'auto', 'torch' or 'threads', got {STAGE_COPY!r}")
