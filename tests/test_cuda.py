@@ -214,3 +214,22 @@ def test_staged_leaves_of_every_shape_and_dtype_arrive_as_contiguous_tensors_of_
     got[0]["cube"].fill_(0)
     assert torch.equal(got[0]["odd"].cpu(), batch["odd"])
     assert torch.equal(got[0]["scalar"].cpu(), batch["scalar"])
+
+
+def test_a_loader_may_refill_its_pageable_tensors_once_asked_for_the_next_batch():
+    """gpufeed reads a pageable batch to the end before it asks the loader for the next one: a loader that
+    refills the same host tensors in place delivers every batch intact."""
+    buf = {"x": torch.empty(3 << 20, dtype=torch.uint8), "y": torch.empty(1000, dtype=torch.int64)}
+
+    def loader():
+        for i in range(30):
+            buf["x"].fill_(i)
+            buf["y"].fill_(-i)
+            yield buf
+
+    with CudaPrefetcher(loader, depth=3, chunk_bytes=1 << 20) as pf:
+        got = []
+        for b in pf:
+            torch.cuda._sleep(SLEEP_CYCLES)
+            got.append((int(b["x"].min()), int(b["x"].max()), int(b["y"].min()), int(b["y"].max())))
+    assert got == [(i, i, -i, -i) for i in range(30)]
