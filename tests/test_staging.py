@@ -407,3 +407,22 @@ def test_plan_chunks_into_one_block_puts_each_leaf_at_its_layout_offset(fill_byt
         ChunkPipeline(pool, ex, None, max_in_flight=8).run(chunks, STOP)
     for src, off in zip(srcs, offsets, strict=True):
         assert torch.equal(block[off : off + src.numel()], src)
+
+
+@needs_cc
+def test_without_a_home_folder_the_compiled_copy_is_built_in_the_temp_folder(tmp_path, monkeypatch):
+    import tempfile
+    from pathlib import Path
+
+    from gpufeed import _hostcopy
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("GPUFEED_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(_hostcopy, "_tried", False)
+    monkeypatch.setattr(_hostcopy, "_lib", None)
+    assert _hostcopy.load() is not None and str(tmp_path) in _hostcopy.status

@@ -67,7 +67,12 @@ def _build() -> Path:
                      " ".join([cc, *flags]).encode()])
     tag = hashlib.sha256(key).hexdigest()[:16]
     refused = []
-    for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"gpufeed-{os.getuid()}"):
+    folders = [Path(tempfile.gettempdir()) / f"gpufeed-{os.getuid()}"]
+    try:
+        folders.insert(0, cache_dir())
+    except RuntimeError:  # no home folder (an unknown uid in a container): the temp folder alone
+        pass
+    for folder in folders:
         try:
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError:
@@ -94,7 +99,7 @@ def _build() -> Path:
                 os.unlink(tmp)
         return lib
     why = f"; refused (not this user's, or writable by others): {', '.join(refused)}" if refused else ""
-    raise OSError(f"no writable folder for the compiled copy ({cache_dir()}){why}")
+    raise OSError(f"no writable folder for the compiled copy ({', '.join(map(str, folders))}){why}")
 
 
 def _private(folder: Path) -> bool:

@@ -21,7 +21,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -263,34 +263,42 @@ def plan_chunks(leaves: Sequence[tuple[torch.Tensor, torch.Tensor | None]], chun
     Without ``fill_bytes`` the chunks are filled on the pipeline's thread (``segments``); with it, by
     worker-thread ``memmove`` pieces of at most that size (``fills``, ``GPUFEED_STAGE_COPY=threads``).
     """
-    chunk_bytes = chunk_bytes // 64 * 64  # leaves stay 64-byte aligned across chunks
+    chunk_bytes = chunk_bytes // 64 * 64
     chunks: list[Chunk] = []
-    chunk: Chunk | None = None
-    off = 0
-    for src, dst in leaves:
-        src_bytes = byte_view(src)
-        dst_bytes = byte_view(dst) if block is None else None
-        total, pos = src_bytes.numel(), 0
-        while pos < total:
-            if chunk is None or off >= chunk_bytes:
-                chunk, off = Chunk(0, []), 0
-                chunks.append(chunk)
-            n = min(total - pos, chunk_bytes - off)
-            if fill_bytes is None:
-                chunk.segments.append((src_bytes[pos : pos + n], off))
-            else:
-                base = src.data_ptr() + pos
-                chunk.fills += [memcpy_fill(base + o, off + o, m) for o, m in split(n, fill_bytes)]
-            if dst_bytes is not None:
-                chunk.copies.append((dst_bytes[pos : pos + n], off, n))
-            chunk.nbytes = off + n
-            pos += n
-            off = align(off + n)
+    views = [(byte_view(src), None if block is not None else byte_view(dst)) for src, dst in leaves]
+    for c, k, pos, off, n in _cut([v[0].numel() for v in views], chunk_bytes):
+        if c == len(chunks):
+            chunks.append(Chunk(0, []))
+        chunk, (src_bytes, dst_bytes) = chunks[c], views[k]
+        if fill_bytes is None:
+            chunk.segments.append((src_bytes[pos : pos + n], off))
+        else:
+            base = src_bytes.data_ptr() + pos
+            chunk.fills += [memcpy_fill(base + o, off + o, m) for o, m in split(n, fill_bytes)]
+        if dst_bytes is not None:
+            chunk.copies.append((dst_bytes[pos : pos + n], off, n))
+        chunk.nbytes = off + n
     if block is not None:
         for i, chunk in enumerate(chunks):
             start = i * chunk_bytes
             chunk.copies = [(block[start : start + chunk.nbytes], 0, chunk.nbytes)]
     return chunks
+
+
+def _cut(sizes: Sequence[int], chunk_bytes: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """Lay leaves of ``sizes`` bytes end to end at 64-byte boundaries and cut them into chunks of
+    ``chunk_bytes`` (a multiple of 64): ``(chunk, leaf, position in the leaf, offset in the chunk, n)``
+    for each piece of a leaf in a chunk. Chunk ``i`` starts at byte ``i * chunk_bytes`` of the layout."""
+    c, off = -1, chunk_bytes
+    for k, total in enumerate(sizes):
+        pos = 0
+        while pos < total:
+            if off >= chunk_bytes:
+                c, off = c + 1, 0
+            n = min(total - pos, chunk_bytes - off)
+            yield c, k, pos, off, n
+            pos += n
+            off = align(off + n)
 
 
 @dataclass
@@ -309,21 +317,13 @@ def plan_raw(leaves: Sequence[tuple[int, int]], chunk_bytes: int, block: int) ->
     :func:`layout`), in integers: no torch call, so no GIL handoff, per leaf or chunk."""
     chunk_bytes = chunk_bytes // 64 * 64
     chunks: list[RawChunk] = []
-    chunk: RawChunk | None = None
-    off = 0
-    for addr, total in leaves:
-        pos = 0
-        while pos < total:
-            if chunk is None or off >= chunk_bytes:
-                chunk, off = RawChunk(0, [], []), 0
-                chunks.append(chunk)
-            n = min(total - pos, chunk_bytes - off)
-            chunk.segments.append((addr + pos, off, n))
-            chunk.nbytes = off + n
-            pos += n
-            off = align(off + n)
-    for i, chunk in enumerate(chunks):
-        chunk.copies.append((block + i * chunk_bytes, 0, chunk.nbytes))
+    for c, k, pos, off, n in _cut([size for _, size in leaves], chunk_bytes):
+        if c == len(chunks):
+            chunks.append(RawChunk(0, [], [(block + c * chunk_bytes, 0, 0)]))
+        chunk = chunks[c]
+        chunk.segments.append((leaves[k][0] + pos, off, n))
+        chunk.nbytes = off + n
+        chunk.copies[0] = (block + c * chunk_bytes, 0, chunk.nbytes)
     return chunks
 
 
