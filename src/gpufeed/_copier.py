@@ -156,8 +156,7 @@ class Copier:
                 sizes = [s.numel() * s.element_size() for s in srcs]
                 offsets, total = layout(sizes)
                 block = torch.empty(total, dtype=torch.uint8, device=self.device)
-                fresh.append(block)
-                keep += srcs
+                fresh.append(block)  # (srcs need not outlive the call: staging reads them to the end first)
                 for i, src, off, n in zip(staged_at, srcs, offsets, sizes, strict=True):
                     out[i] = block[off : off + n].view(src.dtype).view(src.shape)
                     staged += n
