@@ -426,3 +426,54 @@ def test_without_a_home_folder_the_compiled_copy_is_built_in_the_temp_folder(tmp
     monkeypatch.setattr(_hostcopy, "_tried", False)
     monkeypatch.setattr(_hostcopy, "_lib", None)
     assert _hostcopy.load() is not None and str(tmp_path) in _hostcopy.status
+
+
+@needs_cc
+@pytest.mark.parametrize("fail_at", [None, 2])
+def test_the_stage_call_fills_then_sends_each_chunk_in_order(fail_at, monkeypatch, tmp_path):
+    """gpufeed_stage without a GPU: the driver's functions are stand-ins that copy into host memory and
+    log the events. Every chunk is filled before it is sent, its event follows its copies, and a driver
+    error stops at that chunk with the chunks before it issued whole."""
+    import ctypes
+
+    from gpufeed import _hostcopy
+    from gpufeed.staging import layout, plan_raw
+
+    monkeypatch.setenv("GPUFEED_CACHE", str(tmp_path))
+    monkeypatch.setattr(_hostcopy, "_tried", False)
+    monkeypatch.setattr(_hostcopy, "_lib", None)
+    lib = _hostcopy.load()
+    srcs, _, _ = _segments(7, [70_000, 5, 200_001, 64, 90_000])
+    offsets, total = layout([s.numel() for s in srcs])
+    block = torch.zeros(total, dtype=torch.uint8)  # stands in for the device allocation
+    chunks = plan_raw([(s.data_ptr(), s.numel()) for s in srcs], 64 << 10, block.data_ptr())
+    bufs = [torch.full((64 << 10,), 0xEE, dtype=torch.uint8) for _ in chunks]
+    log = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    def h2d(dev, host, n, stream):
+        if fail_at is not None and len([e for e in log if e[0] == "event"]) == fail_at:
+            return 700
+        ctypes.memmove(dev, host, n)
+        log.append(("copy", dev))
+        return 0
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+    def record(event, stream):
+        log.append(("event", event))
+        return 0
+
+    funcs = (ctypes.cast(h2d, ctypes.c_void_p).value, ctypes.cast(record, ctypes.c_void_p).value)
+    pairs = enumerate(zip(chunks, bufs, strict=True))
+    work = [(b.data_ptr(), c.segments, c.copies, 1000 + i) for i, (c, b) in pairs]
+    if fail_at is None:
+        _hostcopy.stage(lib, work, 0, 3, funcs)
+        for src, off in zip(srcs, offsets, strict=True):
+            assert torch.equal(block[off : off + src.numel()], src)
+        assert [e for e in log if e[0] == "event"] == [("event", 1000 + i) for i in range(len(chunks))]
+        assert [k for k, _ in log] == ["copy", "event"] * len(chunks)  # one copy per chunk, then its event
+    else:
+        message = r"CUDA driver error 700 \(\?\) sending chunk 2"
+        with pytest.raises(_hostcopy.StageError, match=message) as err:
+            _hostcopy.stage(lib, work, 0, 3, funcs)
+        assert err.value.issued == 2 and [k for k, _ in log] == ["copy", "event"] * 2

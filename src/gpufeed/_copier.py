@@ -165,8 +165,7 @@ class Copier:
                 sizes = [s.numel() * s.element_size() for s in srcs]
                 offsets, total = layout(sizes)
                 block = torch.empty(align(total), dtype=torch.uint8, device=self.device)
-                fresh.append(block)
-                keep += srcs
+                fresh.append(block)  # (srcs need not outlive the call: staging reads them to the end first)
                 typed: dict[torch.dtype, torch.Tensor] = {}  # the block seen as each dtype, once per batch
                 for i, src, off, n in zip(staged_at, srcs, offsets, sizes, strict=True):
                     view = typed.get(src.dtype)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+Triple = tuple[int, int, int]
 PIECE_BYTES = 256 << 10  # 1 MiB pieces ran slower (44.8 against 54.1 GB/s end to end, same machine)
 _SOURCE = Path(__file__).with_name("_hostcopy.c")
 
@@ -124,19 +125,40 @@ def _open(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def copy(lib: ctypes.CDLL, base: int, segments: Sequence[tuple[int, int, int]], threads: int) -> None:
+def _pieces(chunks: Sequence[tuple[int, Sequence[Triple]]]) -> tuple[Any, Any, Any, Any, Any, int]:
+    """The segment arrays of ``gpufeed_copy``/``gpufeed_stage`` for ``(host_base, segments)`` per chunk.
+
+    Returns ``dst``, ``src``, ``len`` (one entry per segment, each ``(src_address, offset, n)`` going to
+    ``host_base + offset``), ``first`` (per chunk, each segment's first piece index and then the chunk's
+    piece count: chunk ``c``'s part starts at ``seg_first[c] + c``), ``seg_first`` and the most pieces
+    of any chunk.
+    """
+    nseg = sum(len(segments) for _, segments in chunks)
+    n = len(chunks)
+    seg_first = (ctypes.c_int * (n + 1))()
+    dst = (ctypes.c_void_p * max(1, nseg))()
+    src = (ctypes.c_void_p * max(1, nseg))()
+    lens = (ctypes.c_size_t * max(1, nseg))()
+    first = (ctypes.c_size_t * (nseg + n))()
+    s = most = 0
+    for c, (base, segments) in enumerate(chunks):
+        seg_first[c] = s
+        pieces = 0
+        for i, (addr, off, m) in enumerate(segments):
+            dst[s + i], src[s + i], lens[s + i] = base + off, addr, m
+            first[s + c + i] = pieces
+            pieces += -(-m // PIECE_BYTES)
+        first[s + c + len(segments)] = pieces
+        most = max(most, pieces)
+        s += len(segments)
+    seg_first[n] = s
+    return dst, src, lens, first, seg_first, most
+
+
+def copy(lib: ctypes.CDLL, base: int, segments: Sequence[Triple], threads: int) -> None:
     """Copy each ``(src_address, offset, n)`` of ``segments`` to ``base + offset`` on ``threads`` threads."""
-    count = len(segments)
-    dst = (ctypes.c_void_p * count)(*[base + off for _, off, _ in segments])
-    src = (ctypes.c_void_p * count)(*[addr for addr, _, _ in segments])
-    lens = (ctypes.c_size_t * count)(*[n for _, _, n in segments])
-    first = (ctypes.c_size_t * (count + 1))()
-    pieces = 0
-    for k, (_, _, n) in enumerate(segments):
-        first[k] = pieces
-        pieces += -(-n // PIECE_BYTES)
-    first[count] = pieces
-    rc = lib.gpufeed_copy(dst, src, lens, first, count, PIECE_BYTES, max(1, threads))
+    dst, src, lens, first, _, _ = _pieces([(base, segments)])
+    rc = lib.gpufeed_copy(dst, src, lens, first, len(segments), PIECE_BYTES, max(1, threads))
     if rc != 0:
         raise OSError(rc, f"gpufeed: could not start the staging copy's threads: {os.strerror(rc)}")
 
@@ -182,47 +204,34 @@ class StageError(RuntimeError):
         self.issued = issued
 
 
-Triple = tuple[int, int, int]
-
 
 def stage(lib: ctypes.CDLL, work: Sequence[tuple[int, Sequence[Triple], Sequence[Triple], int]], stream: int,
-          threads: int) -> None:
+          threads: int, funcs: tuple[int, int] | None = None) -> None:
     """Fill and send chunks in one call (``gpufeed_stage``), the GIL released throughout.
 
     ``work``: per chunk, ``(host_base, segments, copies, event)``: each ``(src_address, offset, n)`` of
     ``segments`` is copied to ``host_base + offset`` on the copy team; then each ``(device_address,
     offset, n)`` of ``copies`` is sent from ``host_base + offset`` on ``stream`` (a raw CUstream) and the
-    raw CUevent ``event`` is recorded behind them.
+    raw CUevent ``event`` is recorded behind them. ``funcs``: the addresses of functions to call instead
+    of the driver's ``cuMemcpyHtoDAsync_v2`` and ``cuEventRecord`` (tests without a GPU).
     """
-    h2d, record, cuda = driver()
-    nseg = sum(len(w[1]) for w in work)
-    ncp = sum(len(w[2]) for w in work)
+    h2d, record, cuda = driver() if funcs is None else (*funcs, None)
+    dst, src, lens, first, seg_first, most = _pieces([(base, segments) for base, segments, _, _ in work])
     n = len(work)
-    seg_first = (ctypes.c_int * (n + 1))()
-    dst = (ctypes.c_void_p * max(1, nseg))()
-    src = (ctypes.c_void_p * max(1, nseg))()
-    lens = (ctypes.c_size_t * max(1, nseg))()
-    first = (ctypes.c_size_t * (nseg + n))()
+    ncp = sum(len(copies) for _, _, copies, _ in work)
     copy_first = (ctypes.c_int * (n + 1))()
     cp_dev = (ctypes.c_ulonglong * max(1, ncp))()
     cp_host = (ctypes.c_void_p * max(1, ncp))()
     cp_len = (ctypes.c_size_t * max(1, ncp))()
     events = (ctypes.c_void_p * n)()
-    s = k = 0
-    for c, (base, segments, copies, event) in enumerate(work):
-        seg_first[c], copy_first[c], events[c] = s, k, event
-        pieces = 0
-        for i, (addr, off, m) in enumerate(segments):
-            dst[s + i], src[s + i], lens[s + i] = base + off, addr, m
-            first[s + c + i] = pieces
-            pieces += -(-m // PIECE_BYTES)
-        first[s + c + len(segments)] = pieces
-        s += len(segments)
+    k = 0
+    for c, (base, _, copies, event) in enumerate(work):
+        copy_first[c], events[c] = k, event
         for dev, off, m in copies:
             cp_dev[k], cp_host[k], cp_len[k] = dev, base + off, m
             k += 1
-    seg_first[n], copy_first[n] = s, k
-    threads = min(threads, max(first[seg_first[c + 1] + c] for c in range(n)))  # no more than pieces
+    copy_first[n] = k
+    threads = min(threads, max(1, most))  # no more than the pieces of a chunk
     failed = ctypes.c_int(-1)
     rc = lib.gpufeed_stage(n, seg_first, dst, src, lens, first, PIECE_BYTES, max(1, threads), copy_first,
                            cp_dev, cp_host, cp_len, events, stream, h2d, record, ctypes.byref(failed))
@@ -230,5 +239,6 @@ def stage(lib: ctypes.CDLL, work: Sequence[tuple[int, Sequence[Triple], Sequence
         why = f"could not start the staging copy's threads: {os.strerror(-rc)}"
         raise StageError(f"gpufeed: {why}", failed.value)
     if rc > 0:
-        why = f"CUDA driver error {rc} ({_error_name(cuda, rc)}) sending chunk {failed.value}"
+        name = _error_name(cuda, rc) if cuda is not None else "?"
+        why = f"CUDA driver error {rc} ({name}) sending chunk {failed.value}"
         raise StageError(f"gpufeed: {why}", failed.value)

@@ -319,11 +319,11 @@ def plan_raw(leaves: Sequence[tuple[int, int]], chunk_bytes: int, block: int) ->
     chunks: list[RawChunk] = []
     for c, k, pos, off, n in _cut([size for _, size in leaves], chunk_bytes):
         if c == len(chunks):
-            chunks.append(RawChunk(0, [], [(block + c * chunk_bytes, 0, 0)]))
-        chunk = chunks[c]
-        chunk.segments.append((leaves[k][0] + pos, off, n))
-        chunk.nbytes = off + n
-        chunk.copies[0] = (block + c * chunk_bytes, 0, chunk.nbytes)
+            chunks.append(RawChunk(0, [], []))
+        chunks[c].segments.append((leaves[k][0] + pos, off, n))
+        chunks[c].nbytes = off + n
+    for i, chunk in enumerate(chunks):  # each chunk goes to the device in one piece
+        chunk.copies.append((block + i * chunk_bytes, 0, chunk.nbytes))
     return chunks
 
 
@@ -362,19 +362,20 @@ def split(total: int, piece: int) -> list[tuple[int, int]]:
 #: threads, built on first use; torch's where no C compiler is found), ``torch`` (torch's parallel
 #: ``copy_``, its OpenMP threads) or ``threads`` (``memmove`` pieces on gpufeed's Python worker threads).
 #: All run off the training thread. ``GPUFEED_STAGE_COPY`` picks; see docs/tuning.md.
+STAGE_COPY = os.environ.get("GPUFEED_STAGE_COPY", "auto").strip().lower() or "auto"
+if STAGE_COPY not in ("auto", "torch", "threads"):
+    raise ValueError(f"GPUFEED_STAGE_COPY must be 'auto', 'torch' or 'threads', got {STAGE_COPY!r}")
+#: Threads of the compiled copy, ``GPUFEED_COPY_THREADS`` (0: :func:`copy_threads` picks).
 _threads = os.environ.get("GPUFEED_COPY_THREADS", "").strip() or "0"
 if not _threads.isdigit():
     raise ValueError(f"GPUFEED_COPY_THREADS must be a whole number >= 0 (0: the default), got {_threads!r}")
 COPY_THREADS = int(_threads)
-STAGE_COPY = os.environ.get("GPUFEED_STAGE_COPY", "auto").strip().lower() or "auto"
-if STAGE_COPY not in ("auto", "torch", "threads"):
-    raise ValueError(f"GPUFEED_STAGE_COPY must be 'auto', 'torch' or 'threads', got {STAGE_COPY!r}")
 
 
-#: Work this small (a packed chunk of small tensors, a small batch's one read) runs on the background
-#: thread itself: handing it to a worker costs GIL handoffs (submit, wake, result, wake), and each can
-#: delay the training thread's next torch call. Larger work goes to the workers, where it runs beside
-#: the next chunk's copy: a 4 MiB packed chunk filled inline took about 1 ms of one core per 64 MiB batch.
+#: Worker fills this small (a small batch's one read, a chunk of ``GPUFEED_STAGE_COPY=threads``) run on
+#: the background thread itself: handing them to a worker costs GIL handoffs (submit, wake, result, wake),
+#: and each can delay the training thread's next torch call. Larger ones run on the workers, beside the
+#: next chunk's fill.
 INLINE_BYTES = 1 << 20
 
 
