@@ -534,7 +534,9 @@ def _progress(row: dict[str, Any]) -> str:
         return f"  {row['workload']:>16} {row['method']:>20}  ERROR {row['error']}"
     return (f"  {row['workload']:>16} {row['method']:>20} {row['GBps']:7.2f} GB/s "
             f"{row['frac_of_ceiling']:6.1%} of ceiling, wait {row['wait_fraction']:6.1%}, "
-            f"{row['consumer_us_per_batch']:8.1f} us/batch" + ("" if row["verified"] else "  NOT VERIFIED"))
+            f"{row['consumer_us_per_batch']:8.1f} us/batch"
+            + (f", step/compute {row['step_over_compute']:.3f}" if "step_over_compute" in row else "")
+            + ("" if row["verified"] else "  NOT VERIFIED"))
 
 
 def run(cfg: Config) -> dict[str, Any]:

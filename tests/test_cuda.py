@@ -233,3 +233,26 @@ def test_a_loader_may_refill_its_pageable_tensors_once_asked_for_the_next_batch(
             torch.cuda._sleep(SLEEP_CYCLES)
             got.append((int(b["x"].min()), int(b["x"].max()), int(b["y"].min()), int(b["y"].max())))
     assert got == [(i, i, -i, -i) for i in range(30)]
+
+
+def test_driver_calls_that_keep_the_gil_agree_with_torch():
+    """gpufeed._driver's event query and stream wait act as torch's own: a query answers False behind a
+    long kernel and True once it completed, and a stream made to wait on an event does not start its
+    work before that event."""
+    from gpufeed import _driver
+
+    side, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    ev = torch.cuda.Event()
+    x = torch.zeros(1 << 20, device="cuda")
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES * 20)
+        x.fill_(7)
+        ev.record(side)
+    assert _driver.query(ev.cuda_event) is False and ev.query() is False
+    assert _driver.wait_event(consumer.cuda_stream, ev.cuda_event)
+    with torch.cuda.stream(consumer):
+        y = x * 2  # reads x only after the side stream's fill, through the driver's wait
+    consumer.synchronize()
+    assert _driver.query(ev.cuda_event) is True and ev.query() is True
+    assert bool((y == 14).all())
+    assert _driver.query(0) is None and not _driver.wait_event(consumer.cuda_stream, 0)  # never recorded

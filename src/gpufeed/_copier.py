@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from gpufeed import _nvtx, staging
+from gpufeed import _driver, _nvtx, staging
 from gpufeed._tracing import TraceRecorder
 from gpufeed._tree import flatten
 from gpufeed.staging import (
@@ -51,8 +51,10 @@ class Delivered:
         """Make the consumer's current stream wait on this batch's event only, then return the batch."""
         if self.event is not None:
             index = self.event_device.index
-            if _raw_stream(index) == expected.cuda_stream:  # the usual case: no Stream object built
-                self.event.wait(expected)
+            raw = _raw_stream(index)
+            if raw == expected.cuda_stream:  # the usual case: no Stream object built
+                if not _driver.wait_event(raw, self.event.cuda_event):  # keeps the GIL (see _driver)
+                    self.event.wait(expected)
             else:  # consumer switched streams since the epoch started: wait and fence there too
                 stream = torch.cuda.current_stream(index)
                 self.event.wait(stream)
@@ -62,6 +64,12 @@ class Delivered:
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _done(event: torch.cuda.Event) -> bool:
+    """Whether ``event``'s work completed, asked of the driver without releasing the GIL where it can."""
+    done = _driver.query(event.cuda_event)
+    return event.query() if done is None else done
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -236,12 +244,12 @@ class Copier:
         """Account copy times of batches whose copies completed; free host tensors they read."""
         # Each CUDA call here releases the GIL and waits to take it back from the training thread: no
         # synchronize() where query() already said done.
-        while self._timings and (wait or self._timings[0][1].query()):
+        while self._timings and (wait or _done(self._timings[0][1])):
             start, end = self._timings.popleft()
             if wait:
                 end.synchronize()
             self.stats.add(copy_s=start.elapsed_time(end) / 1e3)
-        while self._retire and (wait or self._retire[0][0].query()):
+        while self._retire and (wait or _done(self._retire[0][0])):
             end = self._retire.popleft()[0]
             if wait:
                 end.synchronize()

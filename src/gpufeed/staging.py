@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from gpufeed import _hostcopy
+from gpufeed import _driver, _hostcopy
 from gpufeed._worker import Stopped
 
 MiB = 1 << 20
@@ -56,8 +56,10 @@ class _Buffer:
         return self.tensor.numel()
 
     def done(self) -> bool:
-        if self.busy and self.event is not None and not self.event.query():
-            return False
+        if self.busy and self.event is not None:
+            done = _driver.query(self.event.cuda_event)  # keeps the GIL (see gpufeed._driver)
+            if not (self.event.query() if done is None else done):
+                return False
         self.busy = False
         return True
 
