@@ -256,3 +256,45 @@ def test_driver_calls_that_keep_the_gil_agree_with_torch():
     assert _driver.query(ev.cuda_event) is True and ev.query() is True
     assert bool((y == 14).all())
     assert _driver.query(0) is None and not _driver.wait_event(consumer.cuda_stream, 0)  # never recorded
+
+
+def test_driver_pinned_check_and_elapsed_time_agree_with_torch():
+    from gpufeed import _driver
+
+    pageable = torch.empty(1 << 20, dtype=torch.uint8)
+    pinned = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
+    assert _driver.is_pinned(pageable.data_ptr()) is False and not pageable.is_pinned()
+    assert _driver.is_pinned(pinned.data_ptr()) is True and pinned.is_pinned()
+    assert _driver.is_pinned(pinned[4096:].data_ptr()) is True  # a view inside a pinned allocation
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(SLEEP_CYCLES * 5)
+    end.record()
+    end.synchronize()
+    assert abs(_driver.elapsed_ms(start.cuda_event, end.cuda_event) - start.elapsed_time(end)) < 1e-3
+
+
+def test_copy_events_are_reused_and_batches_stay_exact(monkeypatch):
+    """The copier records its timing events again once free: over 300 batches it creates a handful, and
+    every batch still arrives exact behind a slow consumer (an end event is recorded again only once the
+    consumer's stream waits on it)."""
+    from gpufeed import _copier
+
+    created = []
+
+    class Counted(torch.cuda.Event):
+        def __init__(self, *a, **k):
+            super().__init__()
+            created.append(1)
+
+        def __new__(cls, *a, **k):
+            return super().__new__(cls, enable_timing=True)
+
+    monkeypatch.setattr(_copier.torch.cuda, "Event", Counted)
+    batches = [torch.full((1 << 18,), i, dtype=torch.int32) for i in range(300)]
+    with CudaPrefetcher(batches, depth=3) as pf:
+        for i, b in enumerate(pf):
+            torch.cuda._sleep(SLEEP_CYCLES // 4)
+            assert int(b.min()) == i and int(b.max()) == i
+        assert pf.stats.batches == 300 and pf.stats.h2d_GBps > 0.5
+    assert len(created) <= 24

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,8 @@ class Delivered:
     fresh: list[torch.Tensor] = field(default_factory=list)  # device tensors this prefetcher allocated
     state: Any = None
     event_device: torch.device | None = None
+    handed: bool = False  # the consumer's stream waits on ``event``: the copier may record it again
+
 
     def handover(self, expected: torch.cuda.Stream | None) -> Any:
         """Make the consumer's current stream wait on this batch's event only, then return the batch."""
@@ -60,6 +63,7 @@ class Delivered:
                 self.event.wait(stream)
                 for t in self.fresh:
                     t.record_stream(stream)
+            self.handed = True
         return self.batch
 
 
@@ -70,6 +74,12 @@ def _done(event: torch.cuda.Event) -> bool:
     """Whether ``event``'s work completed, asked of the driver without releasing the GIL where it can."""
     done = _driver.query(event.cuda_event)
     return event.query() if done is None else done
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
+    """``t.is_pinned()``, asked of the driver without releasing the GIL where it can."""
+    pinned = _driver.is_pinned(t.data_ptr())
+    return t.is_pinned() if pinned is None else pinned
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -92,6 +102,7 @@ class Copier:
                  trace: TraceRecorder | None = None) -> None:
         self.device = device
         self.stream = stream
+        self._stream_handle = stream.cuda_stream if stream is not None else 0
         self.pipeline = pipeline
         self.pool = pool
         self.stats = stats
@@ -99,7 +110,12 @@ class Copier:
         self.trace = trace
         # GPUFEED_STAGE_COPY=threads: pageable leaves are filled by worker memmoves of this size
         self._leaf_fill = pool.fill_bytes if staging.STAGE_COPY == "threads" else None
-        self._timings: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event]] = collections.deque()
+        # Per batch, (start, end, the Delivered that carries end): the copy's timing events. Events are
+        # reused (recorded again through the driver, which keeps the GIL): a start event once its batch's
+        # copies completed, an end event once the consumer's stream also waits on it (or never will).
+        self._timings: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event, Any]] = collections.deque()
+        self._handing: collections.deque[tuple[torch.cuda.Event, Any]] = collections.deque()
+        self._events: list[torch.cuda.Event] = []
         self._retire: collections.deque[tuple[torch.cuda.Event, list[torch.Tensor]]] = collections.deque()
 
     def deliver(self, raw: Any, index: int, stop: threading.Event,
@@ -151,7 +167,7 @@ class Copier:
                     continue
                 n = t.numel() * t.element_size()
                 nbytes += n
-                pageable = n > 0 and not t.is_cuda and not t.is_pinned()
+                pageable = n > 0 and not t.is_cuda and not _is_pinned(t)
                 if pageable and (pinned_ok if pinned_ok is not None else (pinned_ok := self._pinned_ok())):
                     staged_at.append(len(out))
                     out.append(None)  # a view of the batch's device block, below
@@ -215,8 +231,14 @@ class Copier:
             with _nvtx.range("gpufeed.transform"):
                 batch = self.transform(batch)
             fresh = [t for t in flatten(batch)[0] if t.device == self.device]
-        event = self._end(start, keep or []) if start is not None else None
-        return Delivered(batch, event, fresh)
+        if start is None:
+            return Delivered(batch, None, fresh)
+        end = self._event()
+        delivered = Delivered(batch, end, fresh)
+        self._timings.append((start, end, weakref.ref(delivered)))
+        if keep:  # host tensors the copy engine reads: alive until the copy completed
+            self._retire.append((end, keep))
+        return delivered
 
     def _pinned_ok(self) -> bool:
         if self.pool.available:
@@ -228,27 +250,32 @@ class Copier:
 
     def _begin(self) -> torch.cuda.Event:
         self._collect()
-        start = torch.cuda.Event(enable_timing=True)
-        start.record(self.stream)
-        return start
+        return self._event()
 
-    def _end(self, start: torch.cuda.Event, keep: list[torch.Tensor]) -> torch.cuda.Event:
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(self.stream)
-        self._timings.append((start, end))
-        if keep:  # host tensors the copy engine reads: alive until the copy completed
-            self._retire.append((end, keep))
-        return end
+    def _event(self) -> torch.cuda.Event:
+        """A timing event recorded on the copy stream now: a free one recorded again, or a new one."""
+        while self._events:
+            event = self._events.pop()
+            if _driver.record(event.cuda_event, self._stream_handle):
+                return event
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.stream)
+        return event
 
     def _collect(self, wait: bool = False) -> None:
         """Account copy times of batches whose copies completed; free host tensors they read."""
         # Each CUDA call here releases the GIL and waits to take it back from the training thread: no
         # synchronize() where query() already said done.
         while self._timings and (wait or _done(self._timings[0][1])):
-            start, end = self._timings.popleft()
+            start, end, delivered = self._timings.popleft()
             if wait:
                 end.synchronize()
-            self.stats.add(copy_s=start.elapsed_time(end) / 1e3)
+            ms = _driver.elapsed_ms(start.cuda_event, end.cuda_event)
+            self.stats.add(copy_s=(start.elapsed_time(end) if ms is None else ms) / 1e3)
+            self._events.append(start)
+            self._handing.append((end, delivered))
+        while self._handing and ((d := self._handing[0][1]()) is None or d.handed):
+            self._events.append(self._handing.popleft()[0])
         while self._retire and (wait or _done(self._retire[0][0])):
             end = self._retire.popleft()[0]
             if wait:

@@ -16,7 +16,10 @@ import ctypes
 from typing import Any
 
 CUDA_SUCCESS = 0
+CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_NOT_READY = 600
+CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
+CU_MEMORYTYPE_HOST = 1
 
 _lib: Any = None
 _failed = False
@@ -29,6 +32,11 @@ def _load() -> Any:
             lib = ctypes.PyDLL("libcuda.so.1")  # loaded already by torch's CUDA runtime
             lib.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
             lib.cuEventQuery.argtypes = [ctypes.c_void_p]
+            lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_ulonglong]
+            elapsed = getattr(lib, "cuEventElapsedTime_v2", None) or lib.cuEventElapsedTime
+            elapsed.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
+            lib.gpufeed_elapsed = elapsed
             _lib = lib
         except (OSError, AttributeError):
             _failed = True
@@ -51,4 +59,34 @@ def query(event: int) -> bool | None:
         return True
     if rc == CUDA_ERROR_NOT_READY:
         return False
+    return None
+
+
+def record(event: int, stream: int) -> bool:
+    """Record the raw CUevent ``event`` on the raw CUstream ``stream``; whether the driver did."""
+    lib = _lib if _lib is not None else _load()
+    return lib is not None and event != 0 and lib.cuEventRecord(event, stream) == CUDA_SUCCESS
+
+
+def elapsed_ms(start: int, end: int) -> float | None:
+    """Milliseconds between two completed raw CUevents recorded with timing; None if not asked."""
+    lib = _lib if _lib is not None else _load()
+    if lib is None or start == 0 or end == 0:
+        return None
+    ms = ctypes.c_float()
+    return ms.value if lib.gpufeed_elapsed(ctypes.byref(ms), start, end) == CUDA_SUCCESS else None
+
+
+def is_pinned(address: int) -> bool | None:
+    """Whether host ``address`` lies in page-locked memory the driver knows (as torch's ``is_pinned``);
+    None where the driver does not say (the caller asks torch)."""
+    lib = _lib if _lib is not None else _load()
+    if lib is None or address == 0:
+        return None
+    kind = ctypes.c_uint()
+    rc = lib.cuPointerGetAttribute(ctypes.byref(kind), CU_POINTER_ATTRIBUTE_MEMORY_TYPE, address)
+    if rc == CUDA_ERROR_INVALID_VALUE:  # not memory the driver knows of: pageable
+        return False
+    if rc == CUDA_SUCCESS and kind.value == CU_MEMORYTYPE_HOST:
+        return True
     return None
