@@ -1,14 +1,16 @@
 """Where does the fetch thread's time go per batch, with and without a training step? (GPU machine)
 
-    PYTHONPATH=src python benchmarks/_diag_phases.py
+    PYTHONPATH=src python benchmarks/_diag_phases.py [--fine]
 
 The CudaPrefetcher moves 24 distinct 64 MiB 4-tensor pageable batches (as bench_prefetcher's), 256 steps,
 first with an empty consumer, then with a matmul step of 1.2x the pinned copy time (as bench_prefetcher's
 ``unpinned_compute``). Prints per batch: the fetch thread's time in each timed call (waiting for a slot,
 the whole deliver, the staging calls, waiting for a pinned buffer, sealing), deliver's time outside
 staging (Python and torch calls), the fetch loop's period, and the consumer's wall and CPU time in next().
+``--fine`` also times each call that deliver makes (flatten, plan, views, ``torch.empty``...).
 """
 
+import sys
 import time
 
 import torch
@@ -79,6 +81,24 @@ def main():
     timed(staging.PinnedPool, "acquire", "buffer wait")
     timed(_copier.Copier, "_begin", "begin")
     timed(_copier.Copier, "seal", "seal")
+    if "--fine" in sys.argv:  # each call deliver makes, timed apart (the timing adds its own cost)
+        timed(_copier, "flatten", "flatten")
+        timed(_copier, "layout", "layout")
+        timed(_copier, "plan_raw", "plan_raw")
+        timed(_copier, "_is_pinned", "is_pinned")
+        timed(_hostcopy, "_pieces", "_pieces")
+        timed(torch.Tensor, "view", "Tensor.view")
+        timed(torch.Tensor, "as_strided", "Tensor.as_strided")
+        timed(torch.Tensor, "record_stream", "Tensor.record_stream")
+
+        class TorchProxy:  # times torch.empty as the copier calls it
+            def __getattr__(self, name):
+                return getattr(torch, name)
+
+        proxy = TorchProxy()
+        proxy.empty = torch.empty
+        _copier.torch = proxy
+        timed(proxy, "empty", "torch.empty")
     dicts = dict_batches(24)
     pinned_copy_s = 64 * 2**20 / 54e9
     step, k = matmul_step(1.2 * pinned_copy_s)
