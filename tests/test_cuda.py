@@ -298,3 +298,39 @@ def test_copy_events_are_reused_and_batches_stay_exact(monkeypatch):
             assert int(b.min()) == i and int(b.max()) == i
         assert pf.stats.batches == 300 and pf.stats.h2d_GBps > 0.5
     assert len(created) <= 24
+
+
+def test_the_next_batchs_device_block_is_made_ahead_and_a_changed_batch_gets_its_own(monkeypatch):
+    """While a batch stages, a worker makes the next batch's device block for the same leaves; a batch
+    whose leaves differ (shape or dtype) gets a block made for it. Every batch arrives exact, and one
+    kept from early on is intact at the end."""
+    import threading
+
+    from gpufeed import _copier
+
+    made = []
+    make = _copier._make_block
+
+    def counted(signature, device, consumer):
+        made.append(threading.current_thread().name)
+        return make(signature, device, consumer)
+
+    monkeypatch.setattr(_copier, "_make_block", counted)
+    g = torch.Generator().manual_seed(5)
+    shapes = [(4096, 16)] * 10 + [(4095, 16)] + [(4096, 16)] * 10
+    batches = [{"x": torch.randn(*shape, generator=g), "i": torch.arange(shape[0]) + k}
+               for k, shape in enumerate(shapes)]
+    batches[15]["x"] = batches[15]["x"].double()  # a dtype change mid-epoch
+    with CudaPrefetcher(batches, depth=3) as pf:
+        got = []
+        for b in pf:
+            torch.cuda._sleep(SLEEP_CYCLES // 4)
+            got.append(b)
+    torch.cuda.synchronize()
+    for b, want in zip(got, batches, strict=True):
+        assert torch.equal(b["x"].cpu(), want["x"]) and torch.equal(b["i"].cpu(), want["i"])
+    ahead = [name for name in made if name.startswith("gpufeed-fill")]
+    here = [name for name in made if not name.startswith("gpufeed-fill")]
+    # made here: the first batch, the two changed ones and the two after them; ahead: one per batch (the
+    # one after the last batch may be cancelled when the epoch ends)
+    assert len(here) == 5 and len(batches) - 1 <= len(ahead) <= len(batches)

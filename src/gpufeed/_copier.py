@@ -7,6 +7,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,7 @@ class Delivered:
     state: Any = None
     event_device: torch.device | None = None
     handed: bool = False  # the consumer's stream waits on ``event``: the copier may record it again
+    recorded: Any = None  # a tensor of ``fresh`` recorded on the consumer's stream already (a prebuilt block)
 
 
     def handover(self, expected: torch.cuda.Stream | None) -> Any:
@@ -74,6 +76,71 @@ def _done(event: torch.cuda.Event) -> bool:
     """Whether ``event``'s work completed, asked of the driver without releasing the GIL where it can."""
     done = _driver.query(event.cuda_event)
     return event.query() if done is None else done
+
+
+class _OnStream:
+    """``with torch.cuda.stream(stream)`` for the background thread, in two C calls instead of a dozen
+    Python ones (a Stream object built per call): the stream's (id, device, type) is kept once."""
+
+    __slots__ = ("_prev", "_stream", "_to")
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self._stream = stream
+        self._to = (stream.stream_id, stream.device_index, stream.device_type)
+        self._prev: Any = None
+
+    def __enter__(self) -> None:
+        if _get_stream is None or _set_stream is None:
+            self._prev = torch.cuda.stream(self._stream)
+            self._prev.__enter__()
+            return
+        self._prev = _get_stream(self._to[1])
+        _set_stream(stream_id=self._to[0], device_index=self._to[1], device_type=self._to[2])
+
+    def __exit__(self, *exc: Any) -> None:
+        prev, self._prev = self._prev, None
+        if isinstance(prev, tuple):
+            _set_stream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+        else:
+            prev.__exit__(*exc)
+
+
+_get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
+_set_stream = getattr(torch._C, "_cuda_setStream", None)
+
+
+@dataclass
+class _Block:
+    """One device allocation for a batch's staged leaves of ``signature`` and their views into it."""
+
+    signature: tuple[tuple[torch.Size, torch.dtype], ...]
+    block: torch.Tensor
+    views: list[torch.Tensor]
+    offsets: list[int]
+    sizes: list[int]
+
+
+def _make_block(signature: tuple[tuple[torch.Size, torch.dtype], ...], device: torch.device,
+                consumer: torch.cuda.Stream | None) -> _Block:
+    """The device block and views for staged leaves of ``signature``, allocated on the current stream.
+
+    The leaves lie end to end as the chunks stage them (``staging.layout``), each a contiguous view of
+    the block seen as its dtype. With ``consumer``, the block is recorded on it now (``record_stream``
+    may come before the block's use: its effect is at the free).
+    """
+    sizes = [shape.numel() * dtype.itemsize for shape, dtype in signature]
+    offsets, total = layout(sizes)
+    block = torch.empty(align(total), dtype=torch.uint8, device=device)
+    typed: dict[torch.dtype, torch.Tensor] = {}  # the block seen as each dtype, once per block
+    views = []
+    for (shape, dtype), off in zip(signature, offsets, strict=True):
+        view = typed.get(dtype)
+        if view is None:
+            view = typed[dtype] = block.view(dtype)
+        views.append(view.as_strided(shape, _contiguous_strides(shape), off // dtype.itemsize))
+    if consumer is not None:
+        block.record_stream(consumer)
+    return _Block(signature, block, views, offsets, sizes)
 
 
 def _is_pinned(t: torch.Tensor) -> bool:
@@ -103,6 +170,10 @@ class Copier:
         self.device = device
         self.stream = stream
         self._stream_handle = stream.cuda_stream if stream is not None else 0
+        self._on_stream = _OnStream(stream) if stream is not None else None
+        self._consumer: torch.cuda.Stream | None = None
+        # The next batch's device block, made on a worker thread while this batch stages (see _block)
+        self._next_block: Future | None = None
         self.pipeline = pipeline
         self.pool = pool
         self.stats = stats
@@ -121,6 +192,7 @@ class Copier:
     def deliver(self, raw: Any, index: int, stop: threading.Event,
                 consumer: torch.cuda.Stream | None) -> Delivered:
         state = None
+        self._consumer = consumer
         if isinstance(raw, WithState):
             raw, state = raw.batch, raw.state
         t0 = time.perf_counter()
@@ -138,7 +210,8 @@ class Copier:
         if self.stream is not None:
             out.event_device = self.device
             for t in out.fresh:
-                t.record_stream(consumer)
+                if t is not out.recorded:
+                    t.record_stream(consumer)
         return out
 
     # -- CPU path ----------------------------------------------------------------------------------
@@ -158,21 +231,23 @@ class Copier:
         keep: list[torch.Tensor] = []
         staged_at: list[int] = []  # indices in ``out`` of the leaves staged through pinned buffers
         nbytes = staged = 0
-        with torch.cuda.stream(self.stream), _nvtx.range("gpufeed.copy"):
+        block: _Block | None = None
+        with self._on_stream, _nvtx.range("gpufeed.copy"):
             start = self._begin()
             pinned_ok: bool | None = None  # asked at the first pageable leaf (it warns once when False)
+            device = self.device
             for t in leaves:
-                if t.device == self.device:
+                if t.is_cuda and t.device == device:
                     out.append(t)  # already there: not copied again
                     continue
-                n = t.numel() * t.element_size()
+                n = t.nbytes
                 nbytes += n
                 pageable = n > 0 and not t.is_cuda and not _is_pinned(t)
                 if pageable and (pinned_ok if pinned_ok is not None else (pinned_ok := self._pinned_ok())):
                     staged_at.append(len(out))
                     out.append(None)  # a view of the batch's device block, below
                     continue
-                dst = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                dst = torch.empty(t.shape, dtype=t.dtype, device=device)
                 out.append(dst)
                 fresh.append(dst)
                 if pageable:
@@ -185,26 +260,21 @@ class Copier:
             if staged_at:
                 # The staged leaves share one device allocation, laid out as the chunks are: one
                 # allocation, one host-to-device copy per chunk and one record_stream per batch.
+                # (srcs need not outlive the call: staging reads them to the end first.)
                 srcs = [leaves[i].contiguous() for i in staged_at]
-                sizes = [s.numel() * s.element_size() for s in srcs]
-                offsets, total = layout(sizes)
-                block = torch.empty(align(total), dtype=torch.uint8, device=self.device)
-                fresh.append(block)  # (srcs need not outlive the call: staging reads them to the end first)
-                typed: dict[torch.dtype, torch.Tensor] = {}  # the block seen as each dtype, once per batch
-                for i, src, off, n in zip(staged_at, srcs, offsets, sizes, strict=True):
-                    view = typed.get(src.dtype)
-                    if view is None:
-                        view = typed[src.dtype] = block.view(src.dtype)
-                    strides = _contiguous_strides(src.shape)
-                    out[i] = view.as_strided(src.shape, strides, off // src.element_size())
-                    staged += n
+                block = self._block(tuple((src.shape, src.dtype) for src in srcs))
+                fresh.append(block.block)
+                for i, view in zip(staged_at, block.views, strict=True):
+                    out[i] = view
+                staged = sum(block.sizes)
                 lib = self.pipeline.staged_lib() if self._leaf_fill is None else None
                 cb = self.pool.chunk_bytes
                 if lib is not None:  # addresses only: the whole batch in one or two GIL-free calls
-                    leaves_at = [(s.data_ptr(), n) for s, n in zip(srcs, sizes, strict=True)]
-                    chunks = plan_raw(leaves_at, cb, block.data_ptr())
+                    leaves_at = [(src.data_ptr(), n) for src, n in zip(srcs, block.sizes, strict=True)]
+                    chunks = plan_raw(leaves_at, cb, block.block.data_ptr())
+                    self._prepare(block.signature)
                 else:
-                    chunks = plan_chunks([(s, None) for s in srcs], cb, self._leaf_fill, block)
+                    chunks = plan_chunks([(src, None) for src in srcs], cb, self._leaf_fill, block.block)
             t0 = time.perf_counter()
             with _nvtx.range("gpufeed.stage"):
                 try:
@@ -218,6 +288,8 @@ class Copier:
                         out[i].copy_(leaves[i])
             stage_s = time.perf_counter() - t0
             delivered = self.seal(rebuild(out), fresh, start, keep)
+            if block is not None:
+                delivered.recorded = block.block
         self.stats.add(bytes=nbytes, staged_bytes=staged, stage_s=stage_s if chunks else 0.0)
         return delivered
 
@@ -239,6 +311,33 @@ class Copier:
         if keep:  # host tensors the copy engine reads: alive until the copy completed
             self._retire.append((end, keep))
         return delivered
+
+    def _block(self, signature: tuple[tuple[torch.Size, torch.dtype], ...]) -> _Block:
+        """The device block for staged leaves of ``signature``: the one made ahead when it fits, else now.
+
+        Each torch call releases the GIL, and while the training thread runs Python each one costs the
+        background thread a wait to take it back (``torch.empty`` and the views took about 130 us per
+        batch beside a training step on an H200 machine). So the next batch's block is made, for the
+        same signature, on a worker thread while this batch stages in C with the GIL released.
+        """
+        fut, self._next_block = self._next_block, None
+        if fut is not None:
+            try:
+                made = fut.result()
+            except Exception:  # made again below, on this thread, where its error is raised
+                made = None
+            if made is not None and made.signature == signature:
+                return made
+        return _make_block(signature, self.device, self._consumer)
+
+    def _prepare(self, signature: tuple[tuple[torch.Size, torch.dtype], ...]) -> None:
+        """Start making a block of ``signature`` for the next batch (a loader's batches mostly share one)."""
+        self._next_block = self.pipeline.executor.submit(self._make_ahead, signature)
+
+    def _make_ahead(self, signature: tuple[tuple[torch.Size, torch.dtype], ...]) -> _Block:
+        torch.cuda.set_device(self.device)
+        with torch.cuda.stream(self.stream):  # allocated on the copy stream, as in the background thread
+            return _make_block(signature, self.device, self._consumer)
 
     def _pinned_ok(self) -> bool:
         if self.pool.available:
