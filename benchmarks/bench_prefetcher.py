@@ -16,8 +16,9 @@ bool, ``idx`` int32; ``--batch-mib`` in all), ``--batches`` distinct ones cycled
 * ``gpufeed``: ``CudaPrefetcher(loader, depth=--depth)``, one instance per workload.
 
 Workloads: ``unpinned`` (pageable source tensors, nothing else in the loop), ``pinned`` (the same bytes in
-pinned memory) and ``unpinned_compute`` (a matmul loop on the default stream, calibrated to take 1.2x the
-ceiling copy time of one batch, reads each batch).
+pinned memory), ``unpinned_compute`` (a matmul loop on the default stream, calibrated to take 1.2x the
+ceiling copy time of one batch, reads each batch) and ``unpinned_compute_sync`` (the same step, which then
+reads one value back to the host, as a loop that logs ``loss.item()`` each step does).
 
 Each method runs one warm-up epoch, which also checks every delivered batch against its source by an exact
 checksum, then ``--reps`` timed epochs; each figure is the median over those epochs:
@@ -25,9 +26,15 @@ checksum, then ``--reps`` timed epochs; each figure is the median over those epo
 * ``GBps``: bytes delivered / wall time of the epoch (from ``iter()`` to a device synchronize after the loop).
 * ``frac_of_ceiling``: ``GBps`` / the ceiling, i.e. copies of the same pinned tensors into preallocated
   device tensors, timed with CUDA events (row ``ceiling/pinned_h2d``; ``pinned_h2d_flat`` is one flat copy).
-* ``step_over_compute`` (``unpinned_compute``): wall time per step / compute-alone time per step.
+* ``step_over_compute`` (the compute workloads): wall time per step / compute-alone time per step (the
+  step alone reads its value back too in ``unpinned_compute_sync``).
 * ``wait_fraction``: time the consumer was blocked getting the next batch / wall. gpufeed: the delta of
   ``pf.stats.wait_s``; the others: host time of ``next()``, which includes their copy calls.
+* ``wait_floor`` (the compute workloads): the least wait fraction of any method that sends each batch over
+  the link (less a few batches of slack). A step that never waits for the GPU asks for a batch every
+  ``own`` seconds of its own thread's time (median of its time outside ``next()`` per step); the link
+  delivers one every ``copy_s`` (the ceiling's time per batch). When ``own < copy_s`` the training thread
+  runs ahead of the link and waits ``copy_s - own`` per step somewhere: in ``next()``.
 * ``consumer_us_per_batch``: CPU time of the consumer thread (``time.thread_time_ns``) in ``iter()`` and
   ``next()`` per batch, including the copies the baselines issue there. Blocking waits cost no CPU time.
 """
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import functools
 import os
 import platform
@@ -62,7 +70,7 @@ from gpufeed import CudaPrefetcher
 
 MiB = 1 << 20
 KEYS = ("x", "y", "mask", "idx")
-WORKLOADS = ("unpinned", "pinned", "unpinned_compute")
+WORKLOADS = ("unpinned", "pinned", "unpinned_compute", "unpinned_compute_sync")
 METHODS = ("naive", "pin_non_blocking", "tutorial_prefetcher", "gpufeed")
 COMPUTE_OVER_COPY = 1.2
 SLOW_S = 20.0  # a method whose timed epochs would take longer than this is timed once
@@ -267,11 +275,20 @@ class Compute:
         self.b = torch.randn(n, n, generator=g).to(cfg.device)
         self.c = torch.empty(n, n, device=cfg.device)
         self.k = 1
+        self.sync = False  # read one value back each step, as ``loss.item()`` does
 
     def __call__(self, batch: Batch) -> None:
         for _ in range(self.k):
             torch.mm(self.a, self.b, out=self.c)
         self.c[:1, :1].add_(batch["x"][:1, :1])  # the step reads the batch, so stream ordering matters
+        if self.sync:
+            self.c[0, 0].item()
+
+    def synced(self) -> Compute:
+        """The same step, reading one value back to the host at its end."""
+        step = copy.copy(self)
+        step.sync = True
+        return step
 
 
 def compute_alone(step: Compute, batch: Batch, cfg: Config) -> float:
@@ -402,6 +419,7 @@ class Epoch:
     cpu_s: float  # consumer thread CPU time in iter()/next()
     first_s: float  # from iter() to the first batch in hand: the pipeline fill, part of wall_s
     stats_wait_s: float | None = None  # gpufeed's own count, for this epoch
+    loop_s: float = 0.0  # from iter() to the loop's end, before the device synchronize
 
 
 class _Probe:
@@ -431,10 +449,11 @@ def run_epoch(method: Method, step: Callable[[Batch], Any], cfg: Config) -> Epoc
         step(batch)
         n += 1
     del batch, it
+    loop = time.perf_counter() - t0
     sync(cfg)
     wall = time.perf_counter() - t0
     stats_wait = _stats_wait(before, method.stats(), n)
-    return Epoch(wall, n, probe.wall_ns / 1e9, probe.cpu_ns / 1e9, first or 0.0, stats_wait)
+    return Epoch(wall, n, probe.wall_ns / 1e9, probe.cpu_ns / 1e9, first or 0.0, stats_wait, loop)
 
 
 def _stats_wait(before: tuple[int, float] | None, after: tuple[int, float] | None, n: int) -> float | None:
@@ -482,6 +501,10 @@ def summarize(workload: str, name: str, epochs: list[Epoch], ok: bool, ctx: dict
                            "frac_of_ceiling": med(gbps) / ctx["ceiling_GBps"]}
     if ctx.get("compute_s") is not None:
         row["step_over_compute"] = med(e.wall_s / e.batches for e in epochs) / ctx["compute_s"]
+        copy_s = ctx["batch_bytes"] / (ctx["ceiling_GBps"] * 1e9)
+        own = med((e.loop_s - e.wait_s) / e.batches for e in epochs)  # the step's own time per batch
+        row.update(wait_floor=max(0.0, copy_s - own) / med(e.wall_s / e.batches for e in epochs),
+                   step_own_us=own * 1e6)
     host_wait = med(e.wait_s / e.wall_s for e in epochs)
     if epochs[0].stats_wait_s is not None:
         row.update(wait_fraction=med(e.stats_wait_s / e.wall_s for e in epochs), wait_source="pf.stats",
@@ -560,7 +583,13 @@ def run(cfg: Config) -> dict[str, Any]:
     print(f"compute: {compute_s * 1e3:.3f} ms/step alone ({step.k} matmuls), "
           f"{compute_s / ceiling['copy_s_per_batch']:.2f}x the ceiling copy of one batch", flush=True)
     rows += run_workload("unpinned_compute", unpinned, expected, step, dict(ctx, compute_s=compute_s), cfg)
+    synced = step.synced()
+    sync_s = compute_alone(synced, on_device, cfg)
+    print(f"compute with a value read back each step: {sync_s * 1e3:.3f} ms/step alone", flush=True)
+    rows += run_workload("unpinned_compute_sync", unpinned, expected, synced, dict(ctx, compute_s=sync_s),
+                         cfg)
     doc = document(cfg, rows, ceiling, step, compute_s)
+    doc["compute"]["alone_s_per_step_sync"] = sync_s
     write(doc, cfg)  # before profiling, so that a profiler crash cannot lose the timings
     if cfg.profile:
         doc["trace"] = profile_gpufeed(unpinned, step, cfg)
@@ -611,9 +640,14 @@ TARGETS = (  # (what, workload, key, comparison, bound) for the gpufeed rows
     ("pinned >= 97% of ceiling", "pinned", "frac_of_ceiling", ">=", 0.97),
     ("step <= 1.03x compute", "unpinned_compute", "step_over_compute", "<=", 1.03),
     ("consumer wait < 3% with compute", "unpinned_compute", "wait_fraction", "<", 0.03),
+    ("step <= 1.03x compute (value read each step)", "unpinned_compute_sync", "step_over_compute", "<=",
+     1.03),
+    ("consumer wait < 3% (value read each step)", "unpinned_compute_sync", "wait_fraction", "<", 0.03),
     ("consumer <= 50 us/batch (unpinned)", "unpinned", "consumer_us_per_batch", "<=", 50.0),
     ("consumer <= 50 us/batch (pinned)", "pinned", "consumer_us_per_batch", "<=", 50.0),
     ("consumer <= 50 us/batch (compute)", "unpinned_compute", "consumer_us_per_batch", "<=", 50.0),
+    ("consumer <= 50 us/batch (value read each step)", "unpinned_compute_sync", "consumer_us_per_batch", "<=",
+     50.0),
 )
 _CMP = {">=": float.__ge__, "<=": float.__le__, "<": float.__lt__}
 
@@ -639,9 +673,14 @@ def markdown(doc: dict[str, Any]) -> str:
         + (" Smoke run: sizes too small to mean anything." if doc["smoke"] else ""), "",
         f"Ceiling ({how}): {c['GBps']:.2f} GB/s; one flat copy "
         f"{c['flat_GBps']:.2f} GB/s. Compute step alone: {doc['compute']['alone_s_per_step'] * 1e3:.3f} ms "
-        f"({doc['compute']['over_ceiling_copy']:.2f}x the ceiling copy of one batch).", "",
-        "| workload | method | GB/s | of ceiling | step / compute | wait | consumer us/batch |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        f"({doc['compute']['over_ceiling_copy']:.2f}x the ceiling copy of one batch); reading a value back "
+        f"each step: {doc['compute'].get('alone_s_per_step_sync', float('nan')) * 1e3:.3f} ms.", "",
+        "Wait floor (compute workloads): the least wait fraction of any method that sends each batch over "
+        "the link, from the step's own time per batch outside `next()` (step own us) and the ceiling's time "
+        "per batch: a step that never waits for the GPU runs ahead of the link and waits in `next()`.", "",
+        "| workload | method | GB/s | of ceiling | step / compute | wait | wait floor | step own us | "
+        "consumer us/batch |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     lines += [_md_row(r) for r in doc["rows"]]
     lines += ["", *targets_table(doc["targets"])]
@@ -650,10 +689,11 @@ def markdown(doc: dict[str, Any]) -> str:
 
 def _md_row(r: dict[str, Any]) -> str:
     if "error" in r:
-        return f"| {r['workload']} | {r['method']} | error: {r['error']} | | | | |"
+        return f"| {r['workload']} | {r['method']} | error: {r['error']} | | | | | | |"
     flag = "" if r.get("verified", True) else " (WRONG DATA)"
     return (f"| {r['workload']} | {r['method']}{flag} | {r['GBps']:.2f} | {r['frac_of_ceiling']:.1%} | "
             f"{_fmt(r.get('step_over_compute'), '.3f')} | {_fmt(r.get('wait_fraction'), '.1%')} | "
+            f"{_fmt(r.get('wait_floor'), '.1%')} | {_fmt(r.get('step_own_us'), '.0f')} | "
             f"{_fmt(r.get('consumer_us_per_batch'), '.1f')} |")
 
 

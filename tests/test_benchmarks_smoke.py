@@ -9,7 +9,7 @@ from pathlib import Path
 from types import ModuleType
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-WORKLOADS = ("unpinned", "pinned", "unpinned_compute")
+WORKLOADS = ("unpinned", "pinned", "unpinned_compute", "unpinned_compute_sync")
 METHODS = ("naive", "pin_non_blocking", "tutorial_prefetcher", "gpufeed")
 
 
@@ -39,7 +39,10 @@ def test_bench_prefetcher_smoke(tmp_path: Path) -> None:
             assert row["GBps"] > 0 and row["frac_of_ceiling"] > 0
             assert 0 <= row["wait_fraction"] <= 1.5 and row["consumer_us_per_batch"] >= 0
             assert row["verified"] is True, f"{method} delivered wrong bytes in {workload}"
-            assert ("step_over_compute" in row) == (workload == "unpinned_compute")
+            compute = workload.startswith("unpinned_compute")
+            assert ("step_over_compute" in row) == compute and ("wait_floor" in row) == compute
+            if compute:
+                assert 0 <= row["wait_floor"] <= 1 and row["step_own_us"] > 0
     assert rows[("unpinned", "gpufeed")]["wait_source"] == "pf.stats"
     assert len(doc["targets"]) == len(bench.TARGETS)
 
