@@ -326,6 +326,11 @@ def _produce(batches: Iterable[Any], copier: Copier, q: queue.SimpleQueue, slots
         for index in itertools.count():
             _worker.check(stop)
             slots.acquire(stop)
+            if consumer_stream is not None and q.qsize() >= max(1, slots.n - 1):
+                # The training thread is behind: it has just taken a batch and starts its step. Let it
+                # launch the step's kernels before this thread's Python and copy team compete with it
+                # for the GIL and the cores (see _worker.YIELD_S).
+                time.sleep(_worker.YIELD_S)
             t0 = time.perf_counter()
             with _nvtx.range("gpufeed.fetch"):
                 raw = next(it, _worker.END)
