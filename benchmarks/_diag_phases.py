@@ -13,6 +13,7 @@ staging (Python and torch calls), the fetch loop's period, and the consumer's wa
 import sys
 import time
 
+import _diag_fill
 import torch
 from _diag_gap import dict_batches
 
@@ -24,16 +25,7 @@ T: dict[str, list[float]] = {}
 
 
 def timed(owner, name, key):
-    fn = getattr(owner, name)
-
-    def wrapper(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            T.setdefault(key, []).append(time.perf_counter() - t0)
-
-    setattr(owner, name, wrapper)
+    _diag_fill.timed(owner, name, key, lambda k, seconds: T.setdefault(k, []).append(seconds))
 
 
 def matmul_step(target_s):
