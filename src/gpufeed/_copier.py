@@ -51,7 +51,6 @@ class Delivered:
     handed: bool = False  # the consumer's stream waits on ``event``: the copier may record it again
     recorded: Any = None  # a tensor of ``fresh`` recorded on the consumer's stream already (a prebuilt block)
 
-
     def handover(self, expected: torch.cuda.Stream | None) -> Any:
         """Make the consumer's current stream wait on this batch's event only, then return the batch."""
         if self.event is not None:
@@ -116,7 +115,6 @@ class _Block:
     signature: tuple[tuple[torch.Size, torch.dtype], ...]
     block: torch.Tensor
     views: list[torch.Tensor]
-    offsets: list[int]
     sizes: list[int]
 
 
@@ -140,7 +138,7 @@ def _make_block(signature: tuple[tuple[torch.Size, torch.dtype], ...], device: t
         views.append(view.as_strided(shape, _contiguous_strides(shape), off // dtype.itemsize))
     if consumer is not None:
         block.record_stream(consumer)
-    return _Block(signature, block, views, offsets, sizes)
+    return _Block(signature, block, views, sizes)
 
 
 def _is_pinned(t: torch.Tensor) -> bool:
@@ -363,8 +361,7 @@ class Copier:
 
     def _collect(self, wait: bool = False) -> None:
         """Account copy times of batches whose copies completed; free host tensors they read."""
-        # Each CUDA call here releases the GIL and waits to take it back from the training thread: no
-        # synchronize() where query() already said done.
+        # No synchronize() where the driver already said done (torch's calls would release the GIL).
         while self._timings and (wait or _done(self._timings[0][1])):
             start, end, delivered = self._timings.popleft()
             if wait:

@@ -6,8 +6,8 @@ is a chance for the other thread to take the GIL, and the caller then waits, asl
 microseconds of thread time for a call whose own work takes one. The calls here return at once
 (they queue work or read a flag), so they keep the GIL: ``ctypes.PyDLL`` calls do not release it.
 
-Each function answers ``False`` where the driver is not reachable or refuses the call; the caller
-then makes torch's own call, which raises the error if there is one.
+Each function answers ``False`` (or ``None``) where the driver is not reachable or refuses the call;
+the caller then makes torch's own call, which raises the error if there is one.
 """
 
 from __future__ import annotations
