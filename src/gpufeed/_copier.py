@@ -71,12 +71,6 @@ class Delivered:
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _done(event: torch.cuda.Event) -> bool:
-    """Whether ``event``'s work completed, asked of the driver without releasing the GIL where it can."""
-    done = _driver.query(event.cuda_event)
-    return event.query() if done is None else done
-
-
 class _OnStream:
     """``with torch.cuda.stream(stream)`` for the background thread, in two C calls instead of a dozen
     Python ones (a Stream object built per call): the stream's (id, device, type) is kept once."""
@@ -362,7 +356,7 @@ class Copier:
     def _collect(self, wait: bool = False) -> None:
         """Account copy times of batches whose copies completed; free host tensors they read."""
         # No synchronize() where the driver already said done (torch's calls would release the GIL).
-        while self._timings and (wait or _done(self._timings[0][1])):
+        while self._timings and (wait or _driver.done(self._timings[0][1])):
             start, end, delivered = self._timings.popleft()
             if wait:
                 end.synchronize()
@@ -372,7 +366,7 @@ class Copier:
             self._handing.append((end, delivered))
         while self._handing and ((d := self._handing[0][1]()) is None or d.handed):
             self._events.append(self._handing.popleft()[0])
-        while self._retire and (wait or _done(self._retire[0][0])):
+        while self._retire and (wait or _driver.done(self._retire[0][0])):
             end = self._retire.popleft()[0]
             if wait:
                 end.synchronize()

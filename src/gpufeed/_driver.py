@@ -1,4 +1,5 @@
-"""A few CUDA driver calls made without releasing the GIL.
+"""gpufeed's one handle on the CUDA driver: calls made without releasing the GIL, and the addresses of the
+functions the compiled staging copy calls itself (``gpufeed_stage``).
 
 Every torch CUDA call (an event's ``query`` or ``wait``, a tensor op) releases the GIL and takes it back.
 With two threads running Python (the training thread and gpufeed's background thread) each release
@@ -37,10 +38,35 @@ def _load() -> Any:
             elapsed = getattr(lib, "cuEventElapsedTime_v2", None) or lib.cuEventElapsedTime
             elapsed.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
             lib.gpufeed_elapsed = elapsed
+            lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+            lib.gpufeed_addresses = (ctypes.cast(lib.cuMemcpyHtoDAsync_v2, ctypes.c_void_p).value,
+                                     ctypes.cast(lib.cuEventRecord, ctypes.c_void_p).value)
             _lib = lib
         except (OSError, AttributeError):
             _failed = True
     return _lib
+
+
+def addresses() -> tuple[int, int] | None:
+    """Addresses of ``cuMemcpyHtoDAsync_v2`` and ``cuEventRecord`` for C to call; None without a driver."""
+    lib = _lib if _lib is not None else _load()
+    return None if lib is None else lib.gpufeed_addresses
+
+
+def error_name(code: int) -> str:
+    """The driver's name of CUresult ``code`` (``CUDA_ERROR_ILLEGAL_ADDRESS``), or ``unknown``."""
+    lib = _lib if _lib is not None else _load()
+    name = ctypes.c_char_p()
+    if lib is not None and lib.cuGetErrorName(code, ctypes.byref(name)) == CUDA_SUCCESS and name.value:
+        return name.value.decode()
+    return "unknown"
+
+
+def done(event: Any) -> bool:
+    """Whether the work before torch event ``event``'s last record completed: the driver's answer, or
+    torch's ``query()`` (which releases the GIL) where the driver gives none."""
+    finished = query(event.cuda_event)
+    return event.query() if finished is None else finished
 
 
 def wait_event(stream: int, event: int) -> bool:

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gpufeed import _driver
+
 Triple = tuple[int, int, int]
 PIECE_BYTES = 256 << 10  # 1 MiB pieces ran slower (44.8 against 54.1 GB/s end to end, same machine)
 _SOURCE = Path(__file__).with_name("_hostcopy.c")
@@ -163,37 +165,9 @@ def copy(lib: ctypes.CDLL, base: int, segments: Sequence[Triple], threads: int) 
         raise OSError(rc, f"gpufeed: could not start the staging copy's threads: {os.strerror(rc)}")
 
 
-_driver: tuple[int, int, Any] | None = None
-_driver_error: str | None = None
-
-
 def driver_ok() -> bool:
-    """Whether the CUDA driver's functions were found (once; the Python path is used otherwise)."""
-    global _driver_error
-    if _driver is None and _driver_error is None:
-        try:
-            driver()
-        except (OSError, AttributeError) as exc:
-            _driver_error = str(exc)
-    return _driver is not None
-
-
-def driver() -> tuple[int, int, Any]:
-    """Addresses of the CUDA driver's ``cuMemcpyHtoDAsync_v2`` and ``cuEventRecord``, and the library."""
-    global _driver
-    if _driver is None:
-        cuda = ctypes.CDLL("libcuda.so.1")  # loaded already by torch's CUDA runtime
-        h2d = ctypes.cast(cuda.cuMemcpyHtoDAsync_v2, ctypes.c_void_p).value
-        record = ctypes.cast(cuda.cuEventRecord, ctypes.c_void_p).value
-        _driver = (h2d, record, cuda)
-    return _driver
-
-
-def _error_name(cuda: Any, code: int) -> str:
-    name = ctypes.c_char_p()
-    if cuda.cuGetErrorName(code, ctypes.byref(name)) == 0 and name.value:
-        return name.value.decode()
-    return "unknown"
+    """Whether the CUDA driver's functions were found (the Python path is used otherwise)."""
+    return _driver.addresses() is not None
 
 
 class StageError(RuntimeError):
@@ -202,7 +176,6 @@ class StageError(RuntimeError):
     def __init__(self, message: str, issued: int) -> None:
         super().__init__(message)
         self.issued = issued
-
 
 
 def stage(lib: ctypes.CDLL, work: Sequence[tuple[int, Sequence[Triple], Sequence[Triple], int]], stream: int,
@@ -215,7 +188,12 @@ def stage(lib: ctypes.CDLL, work: Sequence[tuple[int, Sequence[Triple], Sequence
     raw CUevent ``event`` is recorded behind them. ``funcs``: the addresses of functions to call instead
     of the driver's ``cuMemcpyHtoDAsync_v2`` and ``cuEventRecord`` (tests without a GPU).
     """
-    h2d, record, cuda = driver() if funcs is None else (*funcs, None)
+    from_driver = funcs is None
+    if funcs is None:
+        funcs = _driver.addresses()
+        if funcs is None:
+            raise StageError("gpufeed: the CUDA driver (libcuda.so.1) was not found", 0)
+    h2d, record = funcs
     dst, src, lens, first, seg_first, most = _pieces([(base, segments) for base, segments, _, _ in work])
     n = len(work)
     ncp = sum(len(copies) for _, _, copies, _ in work)
@@ -239,6 +217,6 @@ def stage(lib: ctypes.CDLL, work: Sequence[tuple[int, Sequence[Triple], Sequence
         why = f"could not start the staging copy's threads: {os.strerror(-rc)}"
         raise StageError(f"gpufeed: {why}", failed.value)
     if rc > 0:
-        name = _error_name(cuda, rc) if cuda is not None else "?"
+        name = _driver.error_name(rc) if from_driver else "?"
         why = f"CUDA driver error {rc} ({name}) sending chunk {failed.value}"
         raise StageError(f"gpufeed: {why}", failed.value)

@@ -56,10 +56,8 @@ class _Buffer:
         return self.tensor.numel()
 
     def done(self) -> bool:
-        if self.busy and self.event is not None:
-            done = _driver.query(self.event.cuda_event)  # keeps the GIL (see gpufeed._driver)
-            if not (self.event.query() if done is None else done):
-                return False
+        if self.busy and self.event is not None and not _driver.done(self.event):
+            return False
         self.busy = False
         return True
 
