@@ -19,8 +19,7 @@ STOP = threading.Event()
 def fake_copier(budget, chunk_bytes, threads=3):
     pool = PinnedPool(budget=budget, chunk_bytes=chunk_bytes, pin=False)
     ex = ThreadPoolExecutor(threads)
-    pipeline = SimpleNamespace(executor=ex, threads=threads, trace=None)
-    return SimpleNamespace(pool=pool, pipeline=pipeline, stream=None), ex
+    return SimpleNamespace(pool=pool, executor=ex, threads=threads, trace=None, stream=None), ex
 
 
 @pytest.mark.parametrize("min_read", [0, 1 << 20])  # many reads per chunk, or one
@@ -97,7 +96,7 @@ def test_a_small_batch_is_read_on_the_calling_thread():
     src = ArraySource()
     copier, ex = fake_copier(1 << 20, 4096)
     submitted = []
-    copier.pipeline.executor = SimpleNamespace(submit=lambda *a: submitted.append(a))
+    copier.executor = SimpleNamespace(submit=lambda *a: submitted.append(a))
     threads = []
     real = src.read
     src.read = lambda rows, out: (threads.append(threading.current_thread()), real(rows, out))

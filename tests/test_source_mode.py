@@ -238,9 +238,10 @@ def test_seal_fences_the_tensors_of_the_transform_output():
     from types import SimpleNamespace
 
     from gpufeed._copier import Copier
+    from gpufeed.staging import PinnedPool
 
-    copier = Copier(torch.device("cpu"), None, SimpleNamespace(), SimpleNamespace(), None,
-                    lambda b: [b["x"] + 1, "tag", {"z": b["x"]}])
+    copier = Copier(torch.device("cpu"), None, PinnedPool(pin=False), SimpleNamespace(),
+                    lambda b: [b["x"] + 1, "tag", {"z": b["x"]}], num_threads=1)
     out = copier.seal({"x": torch.zeros(2)}, [], None)
     assert [t.tolist() for t in out.fresh] == [[1.0, 1.0], [0.0, 0.0]]
     assert out.batch[1] == "tag"

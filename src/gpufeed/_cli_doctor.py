@@ -56,10 +56,10 @@ def collect(probe_bytes: int) -> dict[str, Any]:
         "device": _device_info() if cuda else None,
         "h2d": _h2d(probe_bytes) if cuda else None,
         "page_cache_read": _page_cache_read(probe_bytes),
-        "staging_copy": _staging_copy(),
+        "staging_copy": {"threads": torch.get_num_threads()},
         "packages": {m: version_of(m) for m, _, _ in OPTIONAL},
         "gds": _gds(cuda),
-        "env": {k: os.environ.get(k) for k in ("GPUFEED_NVTX", "GPUFEED_STAGE_COPY", "GPUFEED_COPY_THREADS",
+        "env": {k: os.environ.get(k) for k in ("GPUFEED_NVTX",
                                                "GPUFEED_CACHE", "KVIKIO_COMPAT_MODE", "KVIKIO_NTHREADS",
                                                "CUDA_VISIBLE_DEVICES")},
         "locked_memory_limit": _memlock(),
@@ -69,15 +69,6 @@ def collect(probe_bytes: int) -> dict[str, Any]:
 
 
 # -- probes --------------------------------------------------------------------------------------------
-
-
-def _staging_copy() -> dict[str, Any]:
-    """Which copy stages pageable tensors into pinned buffers here (building the compiled one if needed)."""
-    from gpufeed import _hostcopy, staging
-
-    compiled = staging.STAGE_COPY == "auto" and _hostcopy.load() is not None
-    return {"mode": staging.STAGE_COPY, "compiled": compiled, "status": _hostcopy.status,
-            "threads": staging.copy_threads()}
 
 
 def _device_info() -> dict[str, Any]:
@@ -223,10 +214,6 @@ def advice(r: dict[str, Any]) -> list[str]:
     if pc["threaded_GBps"] > 1.3 * pc["one_thread_GBps"]:
         out.append(f"parallel reads are {pc['threaded_GBps'] / pc['one_thread_GBps']:.1f}x one thread: "
                    "prefer RawSource/H5Source on contiguous data (parallel pread) over h5py slicing")
-    sc = r["staging_copy"]
-    if r["cuda_available"] and sc["mode"] == "auto" and not sc["compiled"]:
-        out.append(f"the compiled staging copy is {sc['status']}: install a C compiler (gcc) or set CC, "
-                   "then run gpufeed doctor again; pageable batches stage about a third faster with it")
     pk = r["packages"]
     if pk["h5py"] is None:
         out.append("h5py is missing: pip install 'gpufeed[hdf5]' for H5Source and gpufeed bench")
@@ -271,12 +258,8 @@ def render(r: dict[str, Any]) -> str:
     row("page-cache read", f"{pc['one_thread_GBps']:.1f} GB/s one thread, "
         f"{pc['threaded_GBps']:.1f} GB/s with {pc['threads']} threads "
         f"({format_bytes(pc['bytes'])} file in {pc['where']})")
-    sc = r["staging_copy"]
-    if sc["compiled"]:
-        how = f"compiled copy, {sc['threads']} threads"
-    else:
-        how = "worker threads' memmove" if sc["mode"] == "threads" else "torch's copy"
-    row("staging copy", f"{how} (GPUFEED_STAGE_COPY={sc['mode']}; {sc['status']})")
+    threads = r["staging_copy"]["threads"]
+    row("staging copy", f"torch's parallel copy, {threads} threads (torch.get_num_threads())")
     row("CPUs", r["cpu_count"])
     for module, what, extra in OPTIONAL:
         v = r["packages"][module]

@@ -86,15 +86,15 @@ class SourceBatch:
         self._copier = copier
         if self._plan is None:
             self._plan = self._make_plan(copier)
-        pool, executor = copier.pool, copier.pipeline.executor
+        pool, executor = copier.pool, copier.executor
         while self._next < len(self._plan):
             r0, _, offsets, nbytes, pieces = self._plan[self._next]
             buf = pool.acquire(nbytes, stop) if block and not self._entries else pool.try_acquire(nbytes)
             if buf is None:
                 return False
             jobs = self._bind(buf, offsets, r0, pieces)  # every view made before any read starts
-            if copier.pipeline.trace is not None:
-                jobs = [_traced(copier.pipeline.trace, j) for j in jobs]
+            if copier.trace is not None:
+                jobs = [_traced(copier.trace, j) for j in jobs]
             run = run_now if self._inline() else executor.submit  # one small read: here, no handoff
             self._entries.append((self._plan[self._next], buf, [run(j) for j in jobs]))
             self._next += 1
@@ -106,18 +106,18 @@ class SourceBatch:
         host = copier.stream is None or getattr(self.source, "reads_to", "host") == "device"
         dev = copier.device if copier.stream is not None else torch.device("cpu")
         with torch.cuda.stream(copier.stream) if copier.stream is not None else contextlib.nullcontext():
-            start = copier._begin() if copier.stream is not None else None
+            start = copier.begin() if copier.stream is not None else None
             out = {k: torch.empty((n, *f.shape), dtype=f.dtype, device=dev) for k, f in fields.items()}
             if host:  # the CPU path, or a source that reads straight into device memory (GDS)
                 if dev.type == "cuda":
                     copier.stream.synchronize()  # fence: no queued copy-stream work touches these blocks
                 self._read_direct(copier, out, stop)
-            elif copier._pinned_ok():
+            elif copier.pinned_ok():
                 try:
                     self._read_staged(copier, out, stop)
                 except PinnedUnavailable:
                     self.cancel()
-                    copier._pinned_ok()  # warns once
+                    copier.pinned_ok()  # warns once
                     self._read_pageable(copier, out, stop)
             else:
                 self._read_pageable(copier, out, stop)
@@ -163,7 +163,7 @@ class SourceBatch:
         jobs = [functools.partial(self.source.read, self.rows[a:b], {k: t[a:b] for k, t in out.items()})
                 for a, b in pieces]
         small = len(jobs) == 1 and len(self.rows) * self._row_bytes() <= INLINE_BYTES
-        futs = [run_now(j) if small else copier.pipeline.executor.submit(j) for j in jobs]
+        futs = [run_now(j) if small else copier.executor.submit(j) for j in jobs]
         try:
             for f in futs:
                 _result(f, stop)
@@ -185,7 +185,7 @@ class SourceBatch:
         # One read per worker thread for the batch, so every thread reads (like a 16-thread pread), but
         # none under MIN_READ_BYTES: each read wakes a thread that takes the GIL, which a launch-bound
         # training step (the consumer) waits for; small batches are read by one thread.
-        per_thread = -(-len(self.rows) // copier.pipeline.threads)
+        per_thread = -(-len(self.rows) // copier.threads)
         per = max(1, min(copier.pool.fill_bytes // row_bytes, max(per_thread, MIN_READ_BYTES // row_bytes)))
         return [(r0 + a, r0 + a + k) for a, k in split(r1 - r0, per)]
 

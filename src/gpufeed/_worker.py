@@ -10,12 +10,6 @@ from dataclasses import dataclass
 #: Every blocking wait wakes at least this often to check its stop flag (seconds).
 POLL_S = 0.05
 
-#: How long the background thread waits before a batch while the training thread is behind (``depth - 1``
-#: batches ready). The training thread has just taken a batch and launches its step; a step that reads a
-#: value back (``loss.item()``) leaves the GPU idle until its first kernels are launched, and each
-#: launch waits while this thread holds the GIL or its copy team holds the cores.
-YIELD_S = 300e-6
-
 
 class Stopped(Exception):
     """Raised inside the background thread when its stop flag is set; never reaches the user."""

@@ -11,7 +11,6 @@ import time
 import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ from gpufeed import _nvtx, _worker
 from gpufeed._copier import Copier, Delivered
 from gpufeed._static import StaticBuffers
 from gpufeed._tracing import TraceRecorder
-from gpufeed.staging import DEFAULT_CHUNK_BYTES, DEFAULT_PINNED_BUDGET, ChunkPipeline, PinnedPool
+from gpufeed.staging import DEFAULT_CHUNK_BYTES, DEFAULT_PINNED_BUDGET, PinnedPool
 from gpufeed.stats import PrefetchStats
 
 _LIVE: weakref.WeakSet[CudaPrefetcher] = weakref.WeakSet()
@@ -32,8 +31,9 @@ class CudaPrefetcher:
 
     Wraps any iterable (a DataLoader, a list, a callable that returns a fresh iterable each epoch)
     or a :class:`~gpufeed.BatchSource`. A background thread pulls batches ahead of the consumer;
-    tensors that are not pinned are copied in parallel chunks into a reused pinned pool and from
-    there to the device on one dedicated copy stream, while the consumer computes on its own stream.
+    tensors that are not pinned are copied in chunks into pinned memory (torch's caching host
+    allocator) and from there to the device on one dedicated copy stream, while the consumer computes
+    on its own stream.
 
     Stream and memory invariants:
 
@@ -44,8 +44,8 @@ class CudaPrefetcher:
       consumer's stream, so the caching allocator never hands their memory to a later copy while
       kernels of the consumer may still read it - even when the user keeps the batch. The staged
       (pageable) tensors of one batch are views of one allocation, freed when the last is.
-    * A pinned staging buffer is refilled only after the event behind the copy that read it completed
-      (:class:`~gpufeed.staging.PinnedPool`).
+    * Pinned staging memory is refilled only after the event behind the copy that read it completed
+      (:mod:`gpufeed.staging`).
     * At most ``depth`` batches are prefetched (copied or being copied) ahead of the batch the consumer
       holds; ``depth=1`` is double buffering.
 
@@ -59,9 +59,9 @@ class CudaPrefetcher:
         transform: optional function applied to each batch on the device, on the copy stream.
         batch_size, shuffle, drop_last, seed, rank, world_size, pad: source mode only (see
             :func:`gpufeed.sources.plan_batches`).
-        num_threads: worker threads that fill pinned buffers (memcpy or source reads).
-        pinned_budget: bytes of pinned memory the pool may hold (0 disables pinned staging).
-        chunk_bytes: size of one staging chunk (pinned buffer and H2D copy).
+        num_threads: reader threads of a BatchSource (default: up to 8).
+        pinned_budget: bytes of pinned staging memory in flight at once (0 disables pinned staging).
+        chunk_bytes: size of one staging chunk (one fill into pinned memory and one H2D copy).
         static: deliver every batch into the same device tensors, for a captured CUDA graph; each item
             is then a :class:`~gpufeed.StaticBatch` ``(batch, valid)``, a short last batch zero-padded.
         trace: record every batch's stages for :meth:`export_trace` (default: env ``GPUFEED_TRACE=1``).
@@ -111,8 +111,7 @@ class CudaPrefetcher:
         self._state: Any = None  # the resumable state after the last batch handed to the consumer
         self._resume: tuple[int, int] | None = None  # (epoch, batch) to start from, after load_state_dict
         self._lock = threading.Lock()
-        # 8 readers: 24 GB/s from page cache on an H200 machine, where 16 fought over the GIL (14 GB/s).
-        self.num_threads = num_threads or min(8, os.cpu_count() or 1)
+        self.num_threads = num_threads or min(8, os.cpu_count() or 1)  # docs/design.md: why 8 readers
         self._mode = _make_mode(source, self, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
                                 seed=seed, rank=rank, world_size=world_size, pad=pad)
         self._cuda = self.device.type == "cuda"
@@ -226,15 +225,10 @@ class CudaPrefetcher:
 
     # -- used by the background thread -------------------------------------------------------------
 
-    def _pipeline(self) -> ChunkPipeline:
-        # Worker threads belong to one epoch (they start on first use and end with its fetch thread), so
-        # break, an error or Ctrl-C leaves no gpufeed thread behind; pinned buffers live on in the pool.
-        executor = ThreadPoolExecutor(self.num_threads, thread_name_prefix="gpufeed-fill")
-        return ChunkPipeline(self._pool, executor, self._stream, max_in_flight=2 * self.num_threads,
-                             trace=self._trace)
-
     def _copier(self) -> Copier:
-        return Copier(self.device, self._stream, self._pipeline(), self._pool, self.stats, self.transform,
+        # A copier and its reader threads belong to one epoch (they end with its fetch thread), so break,
+        # an error or Ctrl-C leaves no gpufeed thread behind; pinned buffers live on in the pool.
+        return Copier(self.device, self._stream, self._pool, self.stats, self.transform, self.num_threads,
                       self._trace)
 
 
@@ -286,7 +280,7 @@ class _EpochIterator:
                 self._pf._started = True
             stats.batches += 1
             self._pf._state = item.state
-            batch = item.handover(self._consumer_stream)
+            batch = item.handover()
             return batch if self._pf._static is None else self._pf._static.fill(batch)
         self._finish()
         if isinstance(item, _worker.Failure):
@@ -326,11 +320,6 @@ def _produce(batches: Iterable[Any], copier: Copier, q: queue.SimpleQueue, slots
         for index in itertools.count():
             _worker.check(stop)
             slots.acquire(stop)
-            if consumer_stream is not None and q.qsize() >= max(1, slots.n - 1):
-                # The training thread is behind: it has just taken a batch and starts its step. Let it
-                # launch the step's kernels before this thread's Python and copy team compete with it
-                # for the GIL and the cores (see _worker.YIELD_S).
-                time.sleep(_worker.YIELD_S)
             t0 = time.perf_counter()
             with _nvtx.range("gpufeed.fetch"):
                 raw = next(it, _worker.END)

@@ -13,7 +13,6 @@ import resource
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -24,7 +23,7 @@ from conftest import wait_no_threads
 from gpufeed import CudaPrefetcher
 from gpufeed._worker import Stopped
 from gpufeed.sources import RawSource, plan_batches
-from gpufeed.staging import ChunkPipeline, PinnedPool, plan_leaf_chunks
+from gpufeed.staging import PinnedPool, Stager
 
 
 @pytest.mark.timeout(30)
@@ -83,18 +82,16 @@ def test_pool_serves_a_request_larger_than_its_budget():
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("budget", [4096, 64 << 10, 1 << 20])
-def test_pipeline_stages_chunks_larger_than_the_budget(budget):
-    """The chunk pipeline (host memory for pinned) moves a 3 MiB tensor in 1 MiB chunks through a pool
-    of 4 KiB, 64 KiB or 1 MiB: every byte arrives, the pool holds one chunk at most."""
+def test_stager_stages_chunks_larger_than_the_budget(budget):
+    """The stager (host memory for pinned) moves a 3 MiB tensor and a small one in 1 MiB chunks under a
+    budget of 4 KiB, 64 KiB or 1 MiB: every byte arrives, each leaf in its own view of one block."""
     src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    pool = PinnedPool(budget, 1 << 20, pin=False)
-    with ThreadPoolExecutor(4) as ex:
-        ChunkPipeline(pool, ex, None, max_in_flight=8).run(plan_leaf_chunks(src, dst, 1 << 20), STOP)
-    assert torch.equal(src, dst)
-    assert pool.allocated <= max(budget, 1 << 20)
-    checked(1, 0, src.numel())
-    note("every byte staged; the pool never above max(budget, one chunk)")
+    small = torch.arange(5, dtype=torch.float64)
+    block, (a, b) = Stager(1 << 20, budget, pin=False).stage([src, small], torch.device("cpu"))
+    assert torch.equal(a, src) and torch.equal(b, small) and b.dtype == torch.float64
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() == block.data_ptr()
+    checked(2, 0, src.numel() + small.nbytes)
+    note("every byte staged into one block; each leaf a view of it")
 
 
 def _failing_pin(monkeypatch):

@@ -13,7 +13,6 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict, namedtuple
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -305,13 +304,12 @@ def staged_epoch(src, plan, budget, chunk, threads, stop):
     On the GPU machine this path runs for real; here it runs with ``stream=None``."""
     from gpufeed._copier import Copier
     from gpufeed._source_batch import _Chain
-    from gpufeed.staging import ChunkPipeline, PinnedPool
+    from gpufeed.staging import PinnedPool
     from gpufeed.stats import PrefetchStats
 
     pool = PinnedPool(budget, chunk, pin=False)
-    with ThreadPoolExecutor(threads) as ex:
-        copier = Copier(torch.device("cpu"), None, ChunkPipeline(pool, ex, None, 2 * threads), pool,
-                        PrefetchStats(), None)
+    copier = Copier(torch.device("cpu"), None, pool, PrefetchStats(), None, threads)
+    try:
         chain = _Chain(src, plan)
         for i in range(len(plan)):
             batch = chain.get(i)
@@ -319,6 +317,8 @@ def staged_epoch(src, plan, budget, chunk, threads, stop):
             batch._read_staged(copier, out, stop)
             yield out
         chain.cancel()
+    finally:
+        copier.finish()
     assert sum(b.nbytes for b in pool._free) == pool.allocated  # every buffer came back
     assert pool.allocated <= max(pool.budget, max((b.nbytes for b in pool._free), default=0))
 
