@@ -116,23 +116,26 @@ def test_pinned_budget_zero_falls_back_with_one_warning():
     assert all(torch.equal(g["x"].cpu(), d["x"]) for g, d in zip(got, data, strict=True))
 
 
-def test_large_batch_bigger_than_the_pinned_budget(monkeypatch):
-    """A 64 MiB batch through a 16 MiB budget of 4 MiB chunks: never more than 4 chunks in flight."""
-    from gpufeed import staging
+def test_a_leaf_larger_than_a_chunk_is_staged_chunk_by_chunk_exactly(monkeypatch):
+    """A 64 MiB leaf in 4 MiB chunks: 16 pinned chunks a batch, every byte exact behind a slow consumer."""
+    pinned = []
+    real = torch.Tensor.pin_memory
 
-    most = []
-    make_room = staging.Stager._make_room
+    def counted(self, *a, **k):
+        pinned.append(self.nbytes)
+        return real(self, *a, **k)
 
-    def counted(self):
-        make_room(self)
-        most.append(len(self._in_flight))
-
-    monkeypatch.setattr(staging.Stager, "_make_room", counted)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", counted)
     x = torch.randn(64 << 20 >> 2)
-    with CudaPrefetcher([x, x.neg()], pinned_budget=16 << 20, chunk_bytes=4 << 20) as pf:
-        y, z = list(pf)
-    assert torch.equal(y.cpu(), x) and torch.equal(z.cpu(), x.neg())
-    assert len(most) == 32 and max(most) == 3  # room made for the 4th before each fill
+    with CudaPrefetcher([x, x.neg(), {"small": x[:1000]}], chunk_bytes=4 << 20) as pf:
+        got = []
+        for b in pf:
+            torch.cuda._sleep(SLEEP_CYCLES)
+            got.append(b)
+    torch.cuda.synchronize()
+    assert torch.equal(got[0].cpu(), x) and torch.equal(got[1].cpu(), x.neg())
+    assert torch.equal(got[2]["small"].cpu(), x[:1000])
+    assert pinned == [4 << 20] * 32 + [4000]  # a leaf within one chunk is pinned whole
 
 
 def test_stats_time_the_copies():

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from gpufeed.staging import PinnedPool, Stager, layout
+from gpufeed.staging import PinnedPool, Stager
 
 STOP = threading.Event()
 
@@ -46,26 +46,22 @@ def test_acquire_gives_up_when_stopped():
         pool.acquire(1, stop)
 
 
-@pytest.mark.parametrize("chunk_bytes", [64, 4096, 5000, 1 << 20])
+@pytest.mark.parametrize("chunk_bytes", [4096, 5000, 1 << 20])
 @pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 100_000, (1 << 20) + 3])
-def test_stager_copies_every_byte(nbytes, chunk_bytes):
+def test_stager_copies_every_byte_whole_or_in_chunks(nbytes, chunk_bytes):
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    block, (out,) = Stager(chunk_bytes, budget=1 << 20, pin=False).stage([src], torch.device("cpu"))
-    assert torch.equal(out, src) and out.data_ptr() == block.data_ptr()
+    out = Stager(chunk_bytes, pin=False).to(src, torch.device("cpu"))
+    assert torch.equal(out, src) and (nbytes == 0 or out.data_ptr() != src.data_ptr())
 
 
-def test_stager_lays_leaves_end_to_end_at_aligned_offsets_with_their_dtype_and_shape():
-    leaves = [torch.arange(7, dtype=torch.int16), torch.randn(3, 5, dtype=torch.float64),
-              torch.empty(0, 4), torch.randn(8, 6)[:, ::2],  # a non-contiguous leaf is staged contiguous
-              torch.tensor(True)]
-    block, views = Stager(128, budget=256, pin=False).stage(leaves, torch.device("cpu"))
-    offsets, total = layout([t.nbytes for t in leaves])
-    assert block.numel() == total
-    for t, v, off in zip(leaves, views, offsets, strict=True):
-        assert torch.equal(v, t) and v.dtype == t.dtype and v.shape == t.shape and v.is_contiguous()
-        assert off % 64 == 0 and (v.numel() == 0 or v.data_ptr() - block.data_ptr() == off)
+@pytest.mark.parametrize("chunk_bytes", [4096, 1 << 20])
+def test_stager_keeps_dtype_and_shape_and_stages_a_non_contiguous_tensor(chunk_bytes):
+    for t in (torch.randn(64, 48, dtype=torch.float64)[:, ::2], torch.tensor(True), torch.empty(0, 4),
+              torch.arange(3000, dtype=torch.int16).view(30, 100).t()):
+        out = Stager(chunk_bytes, pin=False).to(t, torch.device("cpu"))
+        assert torch.equal(out, t) and out.dtype == t.dtype and out.shape == t.shape
 
 
-def test_stager_rejects_nothing_and_returns_an_empty_block_for_no_leaves():
-    block, views = Stager(4096, pin=False).stage([], torch.device("cpu"))
-    assert block.numel() == 0 and views == []
+def test_stager_rejects_a_tiny_chunk():
+    with pytest.raises(ValueError, match="chunk_bytes must be >= 4096, got 64"):
+        Stager(64)

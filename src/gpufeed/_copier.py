@@ -72,7 +72,7 @@ class Copier:
         self.transform = transform
         self.threads = num_threads
         self.trace = trace
-        self.stager = Stager(pool.chunk_bytes, pool.budget, pin=stream is not None)
+        self.stager = Stager(pool.chunk_bytes, pin=stream is not None)
         self._executor: ThreadPoolExecutor | None = None
         self._consumer: torch.cuda.Stream | None = None
         # Per batch: its copy's timing events and the pinned host tensors its copies read.
@@ -117,44 +117,41 @@ class Copier:
         return self.seal(rebuild(moved), [], None)
 
     def _to_cuda(self, raw: Any) -> Delivered:
+        """Issue the batch's copies on the copy stream (current on this thread for its whole life)."""
         leaves, rebuild = flatten(raw)
         out: list[Any] = list(leaves)
         fresh: list[torch.Tensor] = []
         read: list[torch.Tensor] = []  # pinned host tensors the copy engine reads
-        staged_at: list[int] = []
-        nbytes = 0
-        with torch.cuda.stream(self.stream), _nvtx.range("gpufeed.copy"):
+        nbytes = staged = 0
+        stage_s = 0.0
+        with _nvtx.range("gpufeed.copy"):
             start = self.begin()
             for i, t in enumerate(leaves):
                 if t.device == self.device:
                     continue  # already there: not copied again
                 nbytes += t.nbytes
-                if not t.is_cuda and not t.is_pinned() and self.pinned_ok():
-                    staged_at.append(i)
-                    continue
-                out[i] = t.to(self.device, non_blocking=True)
+                if t.is_cuda or t.is_pinned():
+                    out[i] = t.to(self.device, non_blocking=True)
+                    if not t.is_cuda:
+                        read.append(t)
+                else:
+                    t0 = time.perf_counter()
+                    out[i] = self._stage(t)
+                    stage_s += time.perf_counter() - t0
+                    staged += t.nbytes
                 fresh.append(out[i])
-                if not t.is_cuda:
-                    read.append(t)
-            t0 = time.perf_counter()
-            if staged_at:
-                hosts = [leaves[i] for i in staged_at]
-                try:
-                    with _nvtx.range("gpufeed.stage"):
-                        block, views = self.stager.stage(hosts, self.device)
-                    fresh.append(block)
-                except PinnedUnavailable:  # pinning failed: this batch and the next go pageable
-                    self.pool.available = False
-                    self.pinned_ok()
-                    views = [t.to(self.device) for t in hosts]
-                    fresh.extend(views)
-                for i, view in zip(staged_at, views, strict=True):
-                    out[i] = view
-            stage_s = time.perf_counter() - t0
             delivered = self.seal(rebuild(out), fresh, start, read)
-        staged = sum(leaves[i].nbytes for i in staged_at)
-        self.stats.add(bytes=nbytes, staged_bytes=staged, stage_s=stage_s if staged else 0.0)
+        self.stats.add(bytes=nbytes, staged_bytes=staged, stage_s=stage_s)
         return delivered
+
+    def _stage(self, t: torch.Tensor) -> torch.Tensor:
+        if self.pinned_ok():
+            try:
+                return self.stager.to(t, self.device)
+            except PinnedUnavailable:  # pinning failed: this leaf and the rest go pageable
+                self.pool.available = False
+                self.pinned_ok()
+        return t.to(self.device)
 
     def begin(self) -> torch.cuda.Event:
         """Account the batches whose copies completed, and record the start of this batch's copies."""

@@ -60,8 +60,10 @@ class CudaPrefetcher:
         batch_size, shuffle, drop_last, seed, rank, world_size, pad: source mode only (see
             :func:`gpufeed.sources.plan_batches`).
         num_threads: reader threads of a BatchSource (default: up to 8).
-        pinned_budget: bytes of pinned staging memory in flight at once (0 disables pinned staging).
-        chunk_bytes: size of one staging chunk (one fill into pinned memory and one H2D copy).
+        pinned_budget: bytes of pinned memory a BatchSource's reads may hold (0 disables pinned staging
+            in both modes: pageable copies, still off the consumer's thread).
+        chunk_bytes: a pageable tensor larger than this is staged in chunks of it, so filling one chunk
+            overlaps the copy of the one before; also the size of a source's pinned buffers.
         static: deliver every batch into the same device tensors, for a captured CUDA graph; each item
             is then a :class:`~gpufeed.StaticBatch` ``(batch, valid)``, a short last batch zero-padded.
         trace: record every batch's stages for :meth:`export_trace` (default: env ``GPUFEED_TRACE=1``).
@@ -316,6 +318,7 @@ def _produce(batches: Iterable[Any], copier: Copier, q: queue.SimpleQueue, slots
     try:
         if copier.device.type == "cuda":
             torch.cuda.set_device(copier.device)
+            torch.cuda.set_stream(copier.stream)  # this thread's current stream: every copy goes there
         it = iter(batches)
         for index in itertools.count():
             _worker.check(stop)

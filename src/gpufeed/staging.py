@@ -1,8 +1,8 @@
 """Staging through pinned memory: pageable batches chunk by chunk, and the pinned pool of source reads.
 
-:class:`Stager` moves the pageable leaves of a batch into one device block. Each chunk of the block is
-copied into pinned memory from torch's caching host allocator (torch's parallel copy, GIL released) and
-sent to the device on the copy stream, so chunk ``i + 1`` fills while chunk ``i`` crosses the link.
+:class:`Stager` moves a pageable tensor to the device: copied into pinned memory from torch's caching
+host allocator (torch's parallel copy, GIL released) and sent on the current (copy) stream; a tensor
+larger than a chunk goes chunk by chunk, so chunk ``i + 1`` fills while chunk ``i`` crosses the link.
 
 :class:`PinnedPool` holds the pinned buffers that a :class:`~gpufeed.BatchSource` reads into: a
 bounded set, allocated on demand and reused for the prefetcher's life.
@@ -16,7 +16,6 @@ queries those events.
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 import warnings
@@ -212,65 +211,49 @@ def run_now(job: Callable[[], Any]) -> Future:
 
 
 class Stager:
-    """Copies pageable host tensors into one device block through pinned chunks, on the current stream.
+    """Copies a pageable host tensor to the device through pinned memory, on the current stream.
 
-    The leaves lie end to end in the block (:func:`layout`), which is cut into chunks of
-    ``chunk_bytes``. Each chunk takes a pinned tensor from torch's caching host allocator, is filled by
-    torch's parallel copy and sent with a ``non_blocking`` copy; the allocator hands that memory out
-    again only after the copy completed. At most ``budget // chunk_bytes`` chunks are in flight: the
-    next fill waits for the oldest copy, which bounds the pinned memory that staging holds.
+    A tensor of at most ``chunk_bytes`` is pinned whole (``pin_memory()``: torch's caching host
+    allocator and its parallel copy) and sent with one ``non_blocking`` copy. A larger one is cut into
+    chunks of ``chunk_bytes``, each pinned and sent in turn, so the fill of chunk ``i + 1`` overlaps the
+    copy of chunk ``i`` on the link. torch's allocator hands a pinned block out again only after the
+    event that its ``non_blocking`` copy recorded has completed.
 
     Example:
-        >>> stager = Stager(chunk_bytes=4096, budget=8192, pin=False)
-        >>> block, views = stager.stage([torch.arange(3), torch.ones(2)], torch.device("cpu"))
-        >>> [v.tolist() for v in views]
-        [[0, 1, 2], [1.0, 1.0]]
+        >>> stager = Stager(chunk_bytes=4096, pin=False)
+        >>> stager.to(torch.arange(3000), torch.device("cpu")).sum().item()
+        4498500
     """
 
-    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, budget: int = DEFAULT_PINNED_BUDGET,
-                 pin: bool = True) -> None:
-        self.chunk_bytes = max(64, chunk_bytes // 64 * 64)
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, pin: bool = True) -> None:
+        if chunk_bytes < 4096:
+            raise ValueError(f"chunk_bytes must be >= 4096, got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
         self.pin = pin
-        self._most = max(1, budget // self.chunk_bytes)
-        self._in_flight: collections.deque[torch.cuda.Event] = collections.deque()
 
-    def stage(self, leaves: Sequence[torch.Tensor], device: torch.device
-              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The device block holding ``leaves`` (host tensors) and a view of it shaped as each leaf.
+    def to(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``t`` on ``device``, staged through pinned memory.
 
         Raises:
             PinnedUnavailable: pinned memory could not be allocated (the caller copies from pageable).
         """
-        srcs = [byte_view(t.contiguous()) for t in leaves]
-        sizes = [s.numel() for s in srcs]
-        offsets, total = layout(sizes)
-        block = torch.empty(total, dtype=torch.uint8, device=device)
-        for a in range(0, total, self.chunk_bytes):
-            b = min(total, a + self.chunk_bytes)
-            self._make_room()
-            try:
-                pinned = torch.empty(b - a, dtype=torch.uint8, pin_memory=self.pin)
-            except RuntimeError as exc:  # cudaHostAlloc refused (locked-memory limit)
-                raise PinnedUnavailable(f"pinned allocation failed: {exc}") from exc
-            for src, off, n in zip(srcs, offsets, sizes, strict=True):
-                lo, hi = max(a, off), min(b, off + n)
-                if lo < hi:
-                    pinned[lo - a : hi - a].copy_(src[lo - off : hi - off])
-            block[a:b].copy_(pinned, non_blocking=True)
-            if device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
-                self._in_flight.append(event)
-        views = [block[off : off + n].view(t.dtype).view(t.shape)
-                 for t, off, n in zip(leaves, offsets, sizes, strict=True)]
-        return block, views
+        if t.nbytes <= self.chunk_bytes:
+            return self._pinned(t).to(device, non_blocking=True)
+        out = torch.empty(t.shape, dtype=t.dtype, device=device)
+        src, dst = byte_view(t.contiguous()), byte_view(out)
+        for a in range(0, src.numel(), self.chunk_bytes):
+            piece = src[a : a + self.chunk_bytes]
+            dst[a : a + piece.numel()].copy_(self._pinned(piece), non_blocking=True)
+        return out
 
-    def _make_room(self) -> None:
-        """Wait until fewer than the budget's chunks are in flight (copies complete in order)."""
-        while len(self._in_flight) >= self._most:
-            self._in_flight.popleft().synchronize()
-        while self._in_flight and self._in_flight[0].query():
-            self._in_flight.popleft()
+    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.pin:
+            return t.clone()
+        try:
+            return t.pin_memory()
+        except RuntimeError as exc:  # cudaHostAlloc refused (locked-memory limit)
+            raise PinnedUnavailable(f"pinned allocation failed: {exc}") from exc
+
 
 def _traced(trace: Any, job: Callable[[], None]) -> Callable[[], None]:
     def run() -> None:
