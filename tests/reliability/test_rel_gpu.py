@@ -312,7 +312,11 @@ def test_pinned_allocation_failure_falls_back_with_one_warning(mode, tmp_path, m
             raise RuntimeError("CUDA error: out of memory (simulated cudaHostAlloc failure)")
         return real(*args, **kwargs)
 
+    def pin_memory(self, *args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory (simulated cudaHostAlloc failure)")
+
     monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
     disk = OnDisk("raw", tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
