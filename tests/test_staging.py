@@ -55,11 +55,11 @@ def test_stager_copies_every_byte_whole_or_in_chunks(nbytes, chunk_bytes):
 
 
 @pytest.mark.parametrize("chunk_bytes", [4096, 1 << 20])
-def test_stager_keeps_dtype_and_shape_and_stages_a_non_contiguous_tensor(chunk_bytes):
+def test_stager_keeps_dtype_and_shape_and_delivers_a_non_contiguous_tensor_contiguous(chunk_bytes):
     for t in (torch.randn(64, 48, dtype=torch.float64)[:, ::2], torch.tensor(True), torch.empty(0, 4),
               torch.arange(3000, dtype=torch.int16).view(30, 100).t()):
         out = Stager(chunk_bytes, pin=False).to(t, torch.device("cpu"))
-        assert torch.equal(out, t) and out.dtype == t.dtype and out.shape == t.shape
+        assert torch.equal(out, t) and out.dtype == t.dtype and out.shape == t.shape and out.is_contiguous()
 
 
 def test_stager_rejects_a_tiny_chunk():

@@ -237,10 +237,11 @@ class Stager:
         Raises:
             PinnedUnavailable: pinned memory could not be allocated (the caller copies from pageable).
         """
+        t = t.contiguous()  # a staged leaf arrives contiguous, whatever its strides on the host
         if t.nbytes <= self.chunk_bytes:
             return self._pinned(t).to(device, non_blocking=True)
         out = torch.empty(t.shape, dtype=t.dtype, device=device)
-        src, dst = byte_view(t.contiguous()), byte_view(out)
+        src, dst = byte_view(t), byte_view(out)
         for a in range(0, src.numel(), self.chunk_bytes):
             piece = src[a : a + self.chunk_bytes]
             dst[a : a + piece.numel()].copy_(self._pinned(piece), non_blocking=True)
