@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU machine: the cuda-marked tests, then every benchmark.
 # Usage there (after the .devwhl prepare line):  bash benchmarks/run_gpu.sh "$OUT/r" --pack [part]
-# part: "a" (tests, prefetcher, CLI), "b" (sources, tabpfn) or "r" (the reliability report, whose page
-# docs/reliability.md is copied into the folder); "ab" when left out. One part fits 600 s.
+# part: "a" (tests, prefetcher, grid, CLI), "b" (sources, tabpfn, resnet) or "r" (the reliability report, whose page
+# docs/reliability.md is copied into the folder); "ab" when left out. A part may take past 600 s: run the steps of one in separate calls then.
 set -u
 out=${1:-benchmarks/results}
 part=${3:-ab}
@@ -12,6 +12,8 @@ if [[ $part == *a* ]]; then
   timeout 240 python3 -m pytest -m cuda tests -q -p no:cacheprovider -rs 2>&1 | tee "$out/cuda-tests.log" | tail -4
   timeout 240 python3 benchmarks/bench_prefetcher.py --out "$out" > "$out/bench-prefetcher.log" 2>&1
   tail -12 "$out/bench-prefetcher.log"
+  timeout 340 python3 benchmarks/bench_grid.py --out "$out" > "$out/bench-grid.log" 2>&1
+  tail -6 "$out/bench-grid.log"
   (cd /tmp && timeout 120 python3 -m gpufeed.cli bench --trace --out "$out/cli-bench" > "$out/cli-bench.log" 2>&1)
   tail -9 "$out/cli-bench.log"
 fi
@@ -20,6 +22,8 @@ if [[ $part == *b* ]]; then
   tail -6 "$out/bench-sources.log"
   timeout 300 python3 benchmarks/bench_tabpfn.py --out "$out" > "$out/bench-tabpfn.log" 2>&1
   tail -14 "$out/bench-tabpfn.log"
+  timeout 200 python3 benchmarks/bench_resnet.py --out "$out" > "$out/bench-resnet.log" 2>&1
+  tail -16 "$out/bench-resnet.log"
 fi
 if [[ $part == *r* ]]; then
   timeout 200 python3 tests/reliability/report.py --runs 1 > "$out/reliability-report.log" 2>&1

@@ -28,10 +28,7 @@ from gpufeed.staging import INLINE_BYTES, PinnedUnavailable, _result, _traced, b
 
 #: The smallest read a batch is split into (a batch smaller than this is one read). Each read costs the
 #: background threads GIL handoffs, and every handoff can delay the training thread, whose torch calls
-#: each release and retake the GIL. Measured on an H200 machine (``benchmarks/_diag_small.py``,
-#: ``_diag_touch.py``), 8 MiB HDF5 batches: 1 MiB reads 5.7-6.2 GB/s, 2 MiB 7.5, 4 MiB 9.8-11.1; two
-#: tiny kernel launches by the consumer took 37 us alone, 127 us beside 8 threads reading 1 MiB
-#: pieces and 43 us beside 4 MiB pieces.
+#: each release and retake the GIL (docs/design.md, "Reading a BatchSource", has the figures).
 MIN_READ_BYTES = 4 << 20
 _ALIGN = 64  # each field's region in a staging buffer starts on a cache line (and any dtype's alignment)
 
