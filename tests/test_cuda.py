@@ -189,3 +189,55 @@ def test_a_loader_may_refill_its_pageable_tensors_once_asked_for_the_next_batch(
     assert got == [(i, i, -i, -i) for i in range(30)]
 
 
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_pinned_batches_are_issued_by_the_training_thread_one_ahead_and_arrive_exact(depth, monkeypatch):
+    """Batches with nothing to stage (pinned or device leaves) are copied by the training thread, the next
+    one while this one is handed out; mixed with pageable batches (staged by the background thread), kept
+    by the consumer, behind a slow step: every batch exact and in order."""
+    import threading
+
+    from gpufeed import _copier
+
+    issued_on = []
+    issue = _copier.Ready.issue
+
+    def counted(self, *a, **k):
+        issued_on.append(threading.current_thread() is threading.main_thread())
+        return issue(self, *a, **k)
+
+    monkeypatch.setattr(_copier.Ready, "issue", counted)
+    g = torch.Generator().manual_seed(depth)
+    batches = []
+    for i in range(24):
+        x = torch.randn(1 << 16, generator=g)
+        kind = "pageable" if i % 5 == 3 else "pinned"
+        batches.append({"x": x.pin_memory() if kind == "pinned" else x,
+                        "i": torch.full((4,), i).pin_memory(), "on": torch.full((2,), i, device="cuda")})
+    with CudaPrefetcher(batches, depth=depth) as pf:
+        got = []
+        for b in pf:
+            torch.cuda._sleep(SLEEP_CYCLES // 2)
+            got.append(b)
+    torch.cuda.synchronize()
+    for b, want in zip(got, batches, strict=True):
+        assert torch.equal(b["x"].cpu(), want["x"]) and torch.equal(b["i"].cpu(), want["i"])
+        assert b["on"] is want["on"]  # already on the device: handed over as it is
+    assert len(issued_on) == 24 - 5 and all(issued_on)
+
+
+def test_an_error_issuing_a_pinned_batch_arrives_after_the_batches_before_it():
+    batches = [{"x": torch.full((1000,), i).pin_memory()} for i in range(6)]
+
+    def transform(b):
+        if int(b["x"][0]) == 4:  # a sync read inside the transform is fine for a test
+            raise ValueError("bad batch 4")
+        return b
+
+    with CudaPrefetcher(batches, depth=2, transform=transform) as pf:
+        got = []
+        with pytest.raises(ValueError, match="bad batch 4"):
+            for b in pf:
+                got.append(int(b["x"][0]))
+    assert got == [0, 1, 2, 3]
