@@ -48,45 +48,6 @@ class Delivered:
         return self.batch
 
 
-@dataclass
-class Ready:
-    """A batch whose tensors are pinned or on the device already: nothing to stage, only copies to issue.
-
-    The training thread issues its copies itself (:meth:`issue`), one batch ahead of the batch it takes,
-    as a side-stream prefetcher does: a few asynchronous calls cost it less than a handoff from the
-    background thread costs per batch (docs/design.md).
-    """
-
-    leaves: list[torch.Tensor]
-    rebuild: Callable[[list[torch.Tensor]], Any]
-    nbytes: int
-    state: Any = None
-
-    def issue(self, device: torch.device, stream: torch.cuda.Stream, consumer: torch.cuda.Stream,
-              transform: Callable[[Any], Any] | None) -> tuple[Delivered, torch.cuda.Event]:
-        """Queue the copies (and ``transform``) on ``stream``; the batch and its copies' start event."""
-        with torch.cuda.stream(stream):
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            out, fresh = [], []
-            for t in self.leaves:
-                if t.device != device:
-                    t = t.to(device, non_blocking=True)
-                    fresh.append(t)
-                out.append(t)
-            batch = self.rebuild(out)
-            if transform is not None:  # the tensors to fence are then those of its output
-                batch = transform(batch)
-                fresh = [t for t in flatten(batch)[0] if t.device == device]
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-        for t in fresh:
-            t.record_stream(consumer)
-        # The host tensors stay referenced by ``self.leaves`` until the consumer drops this batch; torch's
-        # caching host allocator also keeps a block it owns until the copy's event completed.
-        return Delivered(batch, end, fresh, self.state, consumer), start
-
-
 class Copier:
     """Moves batches to ``device``: pinned tensors directly, pageable ones staged through pinned chunks.
 
@@ -126,7 +87,7 @@ class Copier:
         return self._executor
 
     def deliver(self, raw: Any, index: int, stop: threading.Event,
-                consumer: torch.cuda.Stream | None) -> Delivered | Ready:
+                consumer: torch.cuda.Stream | None) -> Delivered:
         state = None
         self._consumer = consumer
         if isinstance(raw, WithState):
@@ -138,13 +99,7 @@ class Copier:
         elif self.stream is None:
             out = self._to_cpu(raw)
         else:
-            leaves, rebuild = flatten(raw)
-            nbytes = self._nothing_to_stage(leaves)
-            if nbytes is not None:  # the training thread issues its copies (see Ready)
-                self._collect()
-                self.stats.add(bytes=nbytes)
-                return Ready(leaves, rebuild, nbytes, state)
-            out = self._to_cuda(leaves, rebuild)
+            out = self._to_cuda(raw)
         if self.trace is not None:
             name = "read+copy" if read is not None else "stage+copy"
             self.trace.add(name, int(t0 * 1e9), int(time.perf_counter() * 1e9), "gpufeed-fetch", batch=index)
@@ -161,18 +116,9 @@ class Copier:
         self.stats.add(bytes=sum(t.nbytes for t in moved))
         return self.seal(rebuild(moved), [], None)
 
-    def _nothing_to_stage(self, leaves: list[torch.Tensor]) -> int | None:
-        """The bytes to copy when every leaf is pinned or on ``device`` already, else None."""
-        nbytes = 0
-        for t in leaves:
-            if t.device != self.device:
-                if t.is_cuda or not t.is_pinned():
-                    return None
-                nbytes += t.nbytes
-        return nbytes
-
-    def _to_cuda(self, leaves: list[torch.Tensor], rebuild: Callable[[list[torch.Tensor]], Any]) -> Delivered:
+    def _to_cuda(self, raw: Any) -> Delivered:
         """Issue the batch's copies on the copy stream (current on this thread for its whole life)."""
+        leaves, rebuild = flatten(raw)
         out: list[Any] = list(leaves)
         fresh: list[torch.Tensor] = []
         read: list[torch.Tensor] = []  # pinned host tensors the copy engine reads

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import collections
 import itertools
 import os
 import queue
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 
 from gpufeed import _nvtx, _worker
-from gpufeed._copier import Copier, Delivered, Ready
+from gpufeed._copier import Copier, Delivered
 from gpufeed._static import StaticBuffers
 from gpufeed._tracing import TraceRecorder
 from gpufeed.staging import DEFAULT_CHUNK_BYTES, DEFAULT_PINNED_BUDGET, PinnedPool
@@ -251,8 +250,6 @@ class _EpochIterator:
         self._reason = ""
         self._last_t: float | None = None
         self._consumer_stream = torch.cuda.current_stream(pf.device) if pf._cuda else None
-        self._ahead: collections.deque[Any] = collections.deque()  # taken from the queue, not yet handed out
-        self._timings: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event]] = collections.deque()
         args = (batches, pf._copier(), self._queue, self._slots, self._stop, self._consumer_stream)
         self._thread = threading.Thread(target=_produce, args=args, name="gpufeed-fetch", daemon=True)
         self._thread.start()
@@ -268,14 +265,12 @@ class _EpochIterator:
             raise StopIteration
         t0 = time.perf_counter()
         try:
-            item = self._ahead.popleft() if self._ahead else self._issue(self._get())
+            item = self._get()
         except BaseException:  # Ctrl-C while waiting: stop the thread now, not at garbage collection
             self._shutdown("")
             raise
         now = time.perf_counter()
         self._slots.release()
-        if self._consumer_stream is not None:
-            self._issue_next()
         stats = self._pf.stats
         stats.wait_s += now - t0
         stats.wall_s += now - (self._last_t if self._last_t is not None else t0)
@@ -293,29 +288,6 @@ class _EpochIterator:
         if isinstance(item, _worker.Failure):
             item.reraise()
         raise StopIteration
-
-    def _issue(self, item: Any) -> Any:
-        """Queue the copies of a :class:`Ready` batch on the copy stream; other items pass unchanged."""
-        if not isinstance(item, Ready):
-            return item
-        pf = self._pf
-        try:
-            delivered, start = item.issue(pf.device, pf._stream, self._consumer_stream, pf.transform)
-        except Exception as exc:  # raised at this batch, after the batches before it
-            return _worker.Failure(exc)
-        self._timings.append((start, delivered.event))
-        while self._timings and self._timings[0][1].query():
-            start, end = self._timings.popleft()
-            pf.stats.add(copy_s=start.elapsed_time(end) / 1e3)
-        return delivered
-
-    def _issue_next(self) -> None:
-        """Issue the next batch's copies now, if it is ready, so they overlap this batch's step."""
-        if not self._ahead:
-            try:
-                self._ahead.append(self._issue(self._queue.get_nowait()))
-            except queue.Empty:
-                pass
 
     def _get(self) -> Any:
         q, thread = self._queue, self._thread
