@@ -94,7 +94,6 @@ class Config:
     iters: int
     reps: int
     depth: int
-    num_threads: int | None
     chunk_mib: float | None
     out: Path
     profile: bool
@@ -115,7 +114,6 @@ def parse_args(argv: list[str] | None) -> Config:
     p.add_argument("--iters", type=int, help=f"steps per timed epoch (default {FULL['iters']})")
     p.add_argument("--reps", type=int, help=f"timed epochs per method, median kept (default {FULL['reps']})")
     p.add_argument("--depth", type=int, default=3, help="gpufeed depth (default 3)")
-    p.add_argument("--num-threads", type=int, help="gpufeed num_threads (default: gpufeed's)")
     p.add_argument("--chunk-mib", type=float, help="gpufeed chunk_bytes in MiB (default: gpufeed's)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available; cpu with --smoke)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU by default: checks the script runs")
@@ -131,7 +129,7 @@ def parse_args(argv: list[str] | None) -> Config:
     return Config(device=pick_device(a.device, a.smoke), batch_bytes=_batch_bytes(pick["batch_mib"]),
                   batches=_positive("batches", pick["batches"]), iters=_positive("iters", pick["iters"]),
                   reps=_positive("reps", pick["reps"]), depth=_positive("depth", a.depth),
-                  num_threads=a.num_threads, chunk_mib=a.chunk_mib, out=a.out, profile=a.profile,
+                  chunk_mib=a.chunk_mib, out=a.out, profile=a.profile,
                   smoke=a.smoke, methods=methods)
 
 
@@ -378,7 +376,7 @@ class Method:
         self.name = name
         self.pf: CudaPrefetcher | None = None
         if name == "gpufeed":
-            kw = {} if cfg.num_threads is None else {"num_threads": cfg.num_threads}
+            kw = {}
             if cfg.chunk_mib is not None:
                 kw["chunk_bytes"] = int(cfg.chunk_mib * MiB)
             self.pf = CudaPrefetcher(source, device=cfg.device, depth=cfg.depth, **kw)
@@ -618,7 +616,6 @@ def document(cfg: Config, rows: list[dict[str, Any]], ceiling: dict[str, float],
         "iters": cfg.iters,
         "reps": cfg.reps,
         "depth": cfg.depth,
-        "num_threads": cfg.num_threads,
         "chunk_mib": cfg.chunk_mib,
         "ceiling": ceiling,
         "compute": {"matmul_n": step.a.shape[0], "matmuls_per_step": step.k, "alone_s_per_step": compute_s,

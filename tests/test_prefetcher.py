@@ -359,12 +359,23 @@ def test_len_without_len_is_a_type_error():
         ({"num_threads": 0}, "num_threads must be >= 1, got 0"),
         ({"transform": 5}, "transform must be callable"),
         ({"pinned_budget": -1}, "pinned_budget must be >= 0"),
-        ({"batch_size": 4}, "apply to a BatchSource"),
+        ({"batch_size": 4}, r"CudaPrefetcher\(batch_size=4\): these batch, shuffle, shard or read a "),
     ],
 )
 def test_invalid_arguments_say_what_and_how(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CudaPrefetcher([torch.zeros(1)], **{"device": "cpu", **kwargs})
+
+
+@pytest.mark.parametrize("kwargs", [{"rank": 1, "world_size": 2}, {"drop_last": True}, {"seed": 7},
+                                    {"pad": True}, {"shuffle": True}, {"num_threads": 4}])
+def test_source_arguments_with_a_loader_raise_and_name_where_they_belong(kwargs):
+    """A loader batches, shuffles and shards itself: an argument that would do it for a BatchSource is
+    never silently ignored (a user who believes they sharded would train every rank on all the data)."""
+    given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    with pytest.raises(ValueError, match=rf"CudaPrefetcher\({given}\).*list is an iterable that batches "
+                                         r"itself: set them on your DataLoader.*DistributedSampler"):
+        CudaPrefetcher([torch.zeros(1)], device="cpu", **kwargs)
 
 
 def test_cuda_without_cuda_is_a_value_error():

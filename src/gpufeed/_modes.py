@@ -14,14 +14,23 @@ from gpufeed._source_batch import _Chain
 def make_mode(source: Any, pf: Any, **kw: Any) -> Any:
     from gpufeed.sources.base import BatchSource
 
+    num_threads = kw.pop("num_threads")
     if isinstance(source, BatchSource) and not isinstance(source, Iterable):
         return SourceMode(source, pf, **kw)
-    if kw.get("batch_size") is not None or kw.get("shuffle"):
+    given = {k: v for k, v in {**kw, "num_threads": num_threads}.items() if v != _SOURCE_DEFAULTS[k]}
+    if given:
+        args = ", ".join(f"{k}={v!r}" for k, v in given.items())
         raise ValueError(
-            "batch_size/shuffle/drop_last/seed/rank/world_size apply to a BatchSource; "
-            f"{type(source).__name__} is an iterable that batches itself (set them on your DataLoader)"
+            f"CudaPrefetcher({args}): these batch, shuffle, shard or read a BatchSource, but "
+            f"{type(source).__name__} is an iterable that batches itself: set them on your DataLoader "
+            "(its batch_size, shuffle, drop_last, and a DistributedSampler for rank and world_size)"
         )
     return IterableMode(source)
+
+
+#: The source-mode arguments of CudaPrefetcher and their defaults: with a loader, any other value raises.
+_SOURCE_DEFAULTS: dict[str, Any] = {"batch_size": None, "shuffle": False, "drop_last": False, "seed": 0,
+                                    "rank": None, "world_size": None, "pad": False, "num_threads": None}
 
 
 def _forward_set_epoch(loader: Any, epoch: int) -> None:

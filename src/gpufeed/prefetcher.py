@@ -115,7 +115,7 @@ class CudaPrefetcher:
         self._lock = threading.Lock()
         self.num_threads = num_threads or min(8, os.cpu_count() or 1)  # docs/design.md: why 8 readers
         self._mode = _make_mode(source, self, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
-                                seed=seed, rank=rank, world_size=world_size, pad=pad)
+                                seed=seed, rank=rank, world_size=world_size, pad=pad, num_threads=num_threads)
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         budget = DEFAULT_PINNED_BUDGET if pinned_budget is None else int(pinned_budget)
