@@ -394,3 +394,21 @@ def test_stats_dict_and_summary():
     s = PrefetchStats(batches=2, bytes=2_000_000_000, wait_s=0.5, wall_s=2.0, copy_s=0.1)
     assert s.as_dict()["h2d_GBps"] == pytest.approx(20.0)
     assert s.stall_fraction == 0.25 and "INPUT-BOUND" in str(s)
+
+
+def test_a_typo_raises_an_attribute_error_that_names_the_prefetcher_and_loader_attributes_read_through():
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=4)
+    pf = CudaPrefetcher(loader, device="cpu")
+    assert pf.batch_size == 4 and pf.dataset is loader.dataset  # read through to the loader
+    with pytest.raises(AttributeError, match="'CudaPrefetcher' object has no attribute 'stat' nor has the "
+                                             "wrapped DataLoader"):
+        pf.stat  # noqa: B018
+    assert not hasattr(pf, "_private")
+
+
+def test_version_is_the_installed_package_metadata():
+    from importlib.metadata import version
+
+    import gpufeed
+
+    assert gpufeed.__version__ == version("gpufeed")

@@ -6,6 +6,8 @@ Example:
     ...     pass
 """
 
+from importlib import metadata as _metadata
+
 from gpufeed._static import StaticBatch
 from gpufeed.convert import convert_h5_to_raw
 from gpufeed.prefetcher import CudaPrefetcher
@@ -24,4 +26,7 @@ __all__ = [
     "convert_h5_to_raw",
 ]
 
-__version__ = "0.1.0"
+try:  # one version number, pyproject.toml's
+    __version__ = _metadata.version("gpufeed")
+except _metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"

@@ -136,10 +136,12 @@ class CudaPrefetcher:
         return self._mode.length()
 
     def __getattr__(self, name: str) -> Any:
-        # dataset, sampler, batch_size, collate_fn ... read through to the wrapped loader.
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._mode.source, name)
+        # dataset, sampler, batch_size, collate_fn ... read through to the wrapped loader, when it has them.
+        mode = self.__dict__.get("_mode")
+        if not name.startswith("_") and mode is not None and hasattr(mode.source, name):
+            return getattr(mode.source, name)
+        wrapped = f" nor has the wrapped {type(mode.source).__name__}" if mode is not None else ""
+        raise AttributeError(f"'CudaPrefetcher' object has no attribute {name!r}{wrapped}")
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of the next iteration, forwarded to the loader, its sampler and batch sampler."""
