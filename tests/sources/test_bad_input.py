@@ -317,3 +317,11 @@ def test_float_rows_are_rejected(tmp_path):
     src = RawSource(tmp_path / "x.npy")
     with pytest.raises(ValueError, match=r"integer"):
         src.read(np.array([0.0, 1.0]), _out(src, 2))
+
+
+def test_a_missing_path_is_named_without_a_field_the_user_never_named(tmp_path):
+    for path in (tmp_path / "nope", str(tmp_path / "nope") + "/"):
+        with pytest.raises(FileNotFoundError) as err:
+            RawSource(path)
+        assert str(err.value).startswith(f"RawSource: no such file or directory: {path}")
+        assert "field" not in str(err.value)

@@ -85,6 +85,11 @@ class RawSource(HostFileSource):
                     )
                 self._build(_from_manifest(paths))
                 return
+            for path in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
+                if not os.path.exists(path):
+                    raise FileNotFoundError(
+                        f"RawSource: no such file or directory: {os.fspath(path)} (pass a .npy file, a raw "
+                        "file with dtype= and shape=, or a directory that gpufeed convert wrote)")
             fields = {name: paths}
         elif paths is not None:
             raise ValueError("RawSource: pass either paths=... or fields={...}, not both")
