@@ -412,3 +412,18 @@ def test_version_is_the_installed_package_metadata():
     import gpufeed
 
     assert gpufeed.__version__ == version("gpufeed")
+
+
+def test_a_generator_warns_once_when_its_second_epoch_would_be_empty():
+    gen = (torch.full((2,), i) for i in range(3))
+    pf = CudaPrefetcher(gen, device="cpu")
+    assert [int(b[0]) for b in pf] == [0, 1, 2]
+    with pytest.warns(RuntimeWarning, match="iterator, used up by the first epoch.*zero-argument callable"):
+        assert list(pf) == []
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert list(pf) == []  # said once
+    fresh = CudaPrefetcher(lambda: (torch.full((2,), i) for i in range(3)), device="cpu")
+    assert [[int(b[0]) for b in fresh] for _ in range(2)] == [[0, 1, 2], [0, 1, 2]]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -55,6 +56,9 @@ class IterableMode:
             )
         self.source = loader
         self._factory = loader if is_factory else None
+        # An iterator (a generator) is used up by one epoch; its second epoch would be silently empty.
+        self._one_shot = isinstance(loader, Iterator)
+        self._iterated = False
         self.stateful = callable(getattr(loader, "state_dict", None)) and callable(
             getattr(loader, "load_state_dict", None))
 
@@ -89,6 +93,14 @@ class IterableMode:
         return int(state["epoch"]), 0
 
     def batches(self, epoch: int, start: int = 0) -> Iterable[Any]:
+        if self._one_shot and self._iterated:
+            warnings.warn(
+                f"gpufeed: the wrapped {type(self.source).__name__} is an iterator, used up by the first "
+                "epoch, so this epoch yields nothing; pass a re-iterable (a DataLoader, a list) or a "
+                "zero-argument callable that returns a fresh iterable (CudaPrefetcher(lambda: gen()))",
+                RuntimeWarning, stacklevel=4)
+            self._one_shot = False  # said once
+        self._iterated = True
         if self._factory is not None:
             return _Lazy(self._factory)
         if self.stateful:
