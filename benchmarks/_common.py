@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 import re
 from pathlib import Path
 
@@ -55,3 +57,12 @@ def print_results(doc: dict, stem: Path, md: str, note: str = "") -> None:
         value = "-" if t["value"] is None else f"{t['value']:.3f}"
         print(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']}: {value}")
     print(f"\nwrote {stem}.json and {stem}.md\n\n{md}", end="")
+
+
+def run_info(device: torch.device, smoke: bool) -> dict:
+    """The keys every result file starts with: the card, the versions and the machine's CPUs."""
+    import gpufeed
+
+    return {"card": card_name(device), "device": device.type, "torch": torch.__version__,
+            "gpufeed": getattr(gpufeed, "__version__", None), "python": platform.python_version(),
+            "cpu_count": os.cpu_count(), "smoke": smoke}

@@ -56,8 +56,6 @@ import argparse
 import contextlib
 import gc
 import math
-import os
-import platform
 import queue
 import statistics
 import sys
@@ -72,13 +70,12 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by a test
-from _common import card_name, pick_device, save_results, targets_table
+from _common import card_name, pick_device, run_info, save_results, targets_table
 
 try:
-    import gpufeed
+    import gpufeed  # noqa: F401  (installed; else the checkout's src/ below)
 except ImportError:  # a checkout without an install: run the working tree's src/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    import gpufeed
 from gpufeed import CudaPrefetcher
 
 MiB = 1 << 20
@@ -708,13 +705,7 @@ def run(cfg: Config) -> dict[str, Any]:
         free_host_cache()
     _compare(rows)
     doc = {
-        "card": card_name(cfg.device),
-        "device": cfg.device.type,
-        "torch": torch.__version__,
-        "gpufeed": getattr(gpufeed, "__version__", None),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "smoke": cfg.smoke,
+        **run_info(cfg.device, cfg.smoke),
         "pinned_memory": cfg.cuda,  # without CUDA the "pinned" cells hold pageable tensors
         "ceiling_GBps": ceiling,
         "sleep_cycles_per_s": rate,

@@ -45,8 +45,6 @@ import argparse
 import contextlib
 import copy
 import functools
-import os
-import platform
 import statistics
 import sys
 import time
@@ -59,13 +57,12 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by a test
-from _common import card_name, pick_device, print_results, save_results, targets_table
+from _common import card_name, pick_device, print_results, run_info, save_results, targets_table
 
 try:
-    import gpufeed
+    import gpufeed  # noqa: F401  (installed; else the checkout's src/ below)
 except ImportError:  # a checkout without an install: run the working tree's src/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    import gpufeed
 from gpufeed import CudaPrefetcher
 
 MiB = 1 << 20
@@ -602,13 +599,7 @@ def ceiling_row(method: str, gbps: float, ceiling: dict[str, float]) -> dict[str
 def document(cfg: Config, rows: list[dict[str, Any]], ceiling: dict[str, float], step: Compute,
              compute_s: float) -> dict[str, Any]:
     return {
-        "card": card_name(cfg.device),
-        "device": cfg.device.type,
-        "torch": torch.__version__,
-        "gpufeed": getattr(gpufeed, "__version__", None),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "smoke": cfg.smoke,
+        **run_info(cfg.device, cfg.smoke),
         "pinned_source": cfg.cuda,  # without CUDA the "pinned" workload reuses pageable tensors
         "batch_bytes": cfg.batch_bytes,
         "batch_keys": {"x": "float32", "y": "int64", "mask": "bool", "idx": "int32"},

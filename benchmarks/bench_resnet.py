@@ -33,8 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import os
-import platform
 import sys
 import time
 import traceback
@@ -49,14 +47,13 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common and bench_grid, also when loaded by a test
-from _common import card_name, pick_device, save_results, targets_table
+from _common import card_name, pick_device, run_info, save_results, targets_table
 from bench_grid import SideOne, SpdlTransfer, TntPrefetcher, record, to_device
 
 try:
-    import gpufeed
+    import gpufeed  # noqa: F401  (installed; else the checkout's src/ below)
 except ImportError:  # a checkout without an install: run the working tree's src/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    import gpufeed
 from gpufeed import CudaPrefetcher
 
 METHODS = ("ideal", "workers0", "workers8", "pin_nb", "streams", "data_prefetcher", "tnt", "spdl",
@@ -300,13 +297,7 @@ def run(cfg: Config) -> dict[str, Any]:
         rows.append(row)
         print(_progress(row), flush=True)
     doc = {
-        "card": card_name(cfg.device),
-        "device": cfg.device.type,
-        "torch": torch.__version__,
-        "gpufeed": getattr(gpufeed, "__version__", None),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "smoke": cfg.smoke,
+        **run_info(cfg.device, cfg.smoke),
         "model": trainer.name,
         "config": {"image": cfg.image, "batch": cfg.batch, "steps": cfg.steps, "warmup": cfg.warmup,
                    "workers": cfg.workers, "batch_bytes": cfg.batch * 3 * cfg.image * cfg.image * 4},

@@ -1,4 +1,4 @@
-"""The prefetcher benchmark runs end to end on the CPU (--smoke) and writes complete results."""
+"""The benchmarks run end to end on the CPU (--smoke) and write complete results."""
 
 from __future__ import annotations
 
@@ -61,3 +61,47 @@ def test_plot_results_draws_every_committed_result(tmp_path):
     written = mod.main(["--smoke", str(tmp_path)])
     assert {p.stem.split("-", 1)[0] for p in written} == {"prefetcher", "sources", "tabpfn"}
     assert all(p.stat().st_size > 10_000 for p in written)
+
+
+def test_bench_grid_smoke(tmp_path: Path) -> None:
+    bench = _load("bench_grid")
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+
+    doc = json.loads((tmp_path / "grid-cpu.json").read_text())
+    assert "## loop: compute" in (tmp_path / "grid-cpu.md").read_text()
+    assert (tmp_path / "grid-cpu.png").stat().st_size > 1000
+    assert {"card", "torch", "ceiling_GBps", "rows", "targets", "smoke"} <= doc.keys()
+    assert doc["card"] == "cpu" and doc["smoke"] is True and doc["ceiling_GBps"] > 0
+    cfg = doc["config"]
+    keys = ("bytes", "tensors", "memory", "loop", "method", "reuse")
+    rows = {tuple(r[k] for k in keys): r for r in doc["rows"]}
+    cells = {k[:4] for k in rows}
+    assert len(cells) == len(cfg["sizes_mib"]) * len(cfg["tensors"]) * len(cfg["memory"]) * len(cfg["loops"])
+    assert {loop for *_, loop in cells} == {"none", "compute", "sync"}
+    for cell in cells:
+        for method, reuse in bench.ROWS:
+            row = rows[(*cell, method, reuse)]
+            assert "error" not in row, row
+            assert row["GBps"] > 0 and row["frac_of_ceiling"] > 0 and row["consumer_us"] >= 0
+            assert ("step_over_compute" in row) == (cell[3] != "none")
+            if method == "gpufeed":
+                assert row["verified"] is True, f"gpufeed ({reuse}) delivered wrong bytes in {cell}"
+                assert row["best_peer"] in bench.PEERS and row["vs_best_peer"] > 0
+    assert {t["reuse"] for t in doc["targets"]} == {"once", "per_epoch"}
+    for t in doc["targets"]:
+        assert {"target", "value", "met", "cells", "cells_met", "worst_misses"} <= t.keys()
+
+
+def test_bench_resnet_smoke(tmp_path: Path) -> None:
+    bench = _load("bench_resnet")
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+
+    doc = json.loads((tmp_path / "resnet-cpu.json").read_text())
+    assert "| method |" in (tmp_path / "resnet-cpu.md").read_text()
+    assert {"card", "torch", "rows", "smoke", "model"} <= doc.keys()
+    assert doc["card"] == "cpu" and doc["smoke"] is True
+    rows = {r["method"]: r for r in doc["rows"]}
+    assert doc["rows"][0]["method"] == "ideal"
+    for name in ("workers0", "gpufeed_unpinned", "ideal"):
+        assert "error" not in rows[name], rows[name]
+        assert rows[name]["steps_per_s"] > 0 and rows[name]["share_of_ideal"] > 0
