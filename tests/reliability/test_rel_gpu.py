@@ -257,7 +257,8 @@ def test_cuda_sanitizer_reports_no_race():
 def test_source_batch_larger_than_the_pinned_budget(row_mib, tmp_path):
     """Source mode with a 2 MiB pinned budget: 8 MiB batches of 1 MiB rows, and rows of 4 MiB (one row
     larger than the whole budget). Exact bytes; the pool stays within max(budget, one row).
-    (The loader-mode case is tests/test_cuda.py::test_large_batch_bigger_than_the_pinned_budget.)"""
+    (The loader-mode case: test_cuda.py::test_a_leaf_larger_than_a_chunk_is_staged_chunk_by_chunk_exactly.)
+    """
     row = row_mib << 20
     x = np.random.default_rng(row_mib).integers(0, 256, (24, row), dtype=np.uint8)
     np.save(tmp_path / "x.npy", x)

@@ -1,7 +1,7 @@
 """Limits: a pinned budget of zero, a batch larger than the pinned budget, a low open-files limit.
 
 The CUDA halves live in ``tests/test_cuda.py`` (``test_pinned_budget_zero_falls_back_with_one_warning``,
-``test_large_batch_bigger_than_the_pinned_budget``) and in ``test_rel_gpu.py``.
+``test_a_leaf_larger_than_a_chunk_is_staged_chunk_by_chunk_exactly``) and in ``test_rel_gpu.py``.
 """
 
 from __future__ import annotations
