@@ -5,6 +5,7 @@ every batch into the same device tensors (a short last batch zero-padded, its re
 ``valid``), refilled on the consumer's stream after the previous replay has read them.
 
     python examples/cuda_graphs.py            # needs a CUDA GPU
+    python examples/cuda_graphs.py --smoke    # tiny (says so and returns where there is no GPU)
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     p.add_argument("--batches", type=int, default=50)
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--features", type=int, default=256)
+    p.add_argument("--smoke", action="store_true", help="tiny and quick")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.batches, args.batch_size, args.features = 6, 64, 32
     if not torch.cuda.is_available():
         print("cuda_graphs.py needs a CUDA GPU; nothing to do here")
         return {"replays": 0, "mismatches": 0}
@@ -68,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
             results.append((seen.clone(), item.valid))
     torch.cuda.synchronize()
     mismatches = 0
-    for (got, valid), src in zip(results, loader):
+    for (got, valid), src in zip(results, loader, strict=False):
         want = digest(src.cuda())
         mismatches += int(valid != len(src) or not torch.equal(got[:valid], want))
     out = {"replays": len(results), "mismatches": mismatches}

@@ -109,7 +109,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device,
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     previous = None
-    # device=None: gpufeed takes the rank's current CUDA device (set by init_process_group); --cpu asks for cpu.
+    # device=None: gpufeed takes the rank's current CUDA device (set by init_process_group); --cpu: cpu.
     want = None if device.type == "cuda" else "cpu"
     with CudaPrefetcher(source, device=want, batch_size=args.batch_size, shuffle=True, seed=0) as pf:
         if not agree(pf.device == device, device):

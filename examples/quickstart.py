@@ -29,13 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny and quick, on the CPU")
     args = p.parse_args(argv)
     if args.smoke:
-        args.samples, args.features, args.epochs, args.workers = 512, 16, 2, 0
+        args.samples, args.features, args.epochs, args.workers = 512, 16, 3, 0
         args.device = args.device or "cpu"
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
     torch.manual_seed(0)
     x = torch.randn(args.samples, args.features)
-    y = torch.randint(0, 10, (args.samples,))
+    y = (x @ torch.randn(args.features, 10)).argmax(dim=1)  # learnable labels: the loss goes down
     loader = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True,
                         num_workers=args.workers)
     model = torch.nn.Linear(args.features, 10).to(device)
@@ -45,13 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     with CudaPrefetcher(loader, device=device, depth=args.depth) as batches:
         for epoch in range(args.epochs):
             batches.set_epoch(epoch)  # like DataLoader: forwarded to the sampler
+            total = torch.zeros((), device=device)
             for xb, yb in batches:  # already on `device`: no .to() in the loop
                 loss = torch.nn.functional.cross_entropy(model(xb), yb)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
+                total += loss.detach() * len(yb)
                 seen += len(yb)
-            print(f"epoch {epoch}: loss {loss.item():.3f}", flush=True)
+            print(f"epoch {epoch}: loss {total.item() / args.samples:.3f}", flush=True)
         print(batches.stats.summary())  # is the loop input-bound?
     expected = args.samples * args.epochs
     if seen != expected:
