@@ -152,6 +152,21 @@ def test_consumer_wait_is_counted():
     assert s.input_bound and "INPUT-BOUND" in s.summary()
 
 
+def test_start_up_is_not_counted_as_the_loop_waiting_for_data():
+    """A loader slow to start (workers spawning) and fast after: the verdict is the loop's, not start-up's."""
+    def slow_start():
+        time.sleep(0.3)
+        for i in range(20):
+            yield torch.tensor([i])
+
+    with CudaPrefetcher(slow_start, device="cpu") as pf:
+        for _ in pf:
+            time.sleep(0.005)  # the training step
+    s = pf.stats
+    assert s.startup_s >= 0.3 and s.wall_s < 0.3 and not s.input_bound
+    assert s.summary().startswith("[ok] 20 batches") and "(start-up 0.3" in s.summary()
+
+
 # -- errors --------------------------------------------------------------------------------------
 
 class Boom(Exception):

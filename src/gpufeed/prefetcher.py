@@ -274,8 +274,11 @@ class _EpochIterator:
         now = time.perf_counter()
         self._slots.release()
         stats = self._pf.stats
-        stats.wait_s += now - t0
-        stats.wall_s += now - (self._last_t if self._last_t is not None else t0)
+        if self._last_t is None:  # the pipeline starting up: not a wait of the training loop
+            stats.startup_s += now - t0
+        else:
+            stats.wait_s += now - t0
+            stats.wall_s += now - self._last_t
         self._last_t = now
         if self._pf._trace is not None:
             self._pf._trace.add("wait", int(t0 * 1e9), int(now * 1e9), "consumer", batch=stats.batches)

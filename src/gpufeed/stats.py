@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 class PrefetchStats:
     """Counters of one prefetcher, over its whole life (all epochs).
 
-    ``wait_s`` is the time the consumer's thread spent blocked in ``next()`` waiting for a batch;
-    ``stall_fraction`` is that over the wall time since the first ``next()``: near 0 means the GPU
-    never waited for data, near 1 means the loop is input-bound. ``fetch_s``, ``stage_s`` and
+    ``wait_s`` is the time the consumer's thread spent blocked in ``next()`` waiting for a batch, and
+    ``wall_s`` the time from each epoch's first batch to its last; the wait for an epoch's first batch
+    (the pipeline starting: threads, a DataLoader's workers) is ``startup_s``, counted in neither.
+    ``stall_fraction`` is ``wait_s / wall_s``: near 0 means the GPU never waited for data, near 1 that
+    the loop is input-bound. ``fetch_s``, ``stage_s`` and
     ``copy_s`` are the background thread's time per stage (pulling from the loader or reading the
     source; copying pageable memory into pinned buffers; H2D on the copy stream, timed with CUDA events).
 
@@ -26,6 +28,7 @@ class PrefetchStats:
     bytes: int = 0
     wait_s: float = 0.0
     wall_s: float = 0.0
+    startup_s: float = 0.0
     fetch_s: float = 0.0
     stage_s: float = 0.0
     copy_s: float = 0.0
@@ -60,7 +63,8 @@ class PrefetchStats:
                 setattr(self, k, getattr(self, k) + v)
 
     def as_dict(self) -> dict[str, float]:
-        keys = ("batches", "bytes", "wait_s", "wall_s", "fetch_s", "stage_s", "copy_s", "staged_bytes")
+        keys = ("batches", "bytes", "wait_s", "wall_s", "startup_s", "fetch_s", "stage_s", "copy_s",
+                "staged_bytes")
         d: dict[str, float] = {k: getattr(self, k) for k in keys}
         d.update(stall_fraction=self.stall_fraction, h2d_GBps=self.h2d_GBps,
                  stage_GBps=self.stage_GBps, throughput_GBps=self.throughput_GBps)
@@ -70,8 +74,9 @@ class PrefetchStats:
         """One line: input-bound or not, and the figures that say why."""
         verdict = "INPUT-BOUND" if self.input_bound else "ok"
         return (
-            f"[{verdict}] {self.batches} batches, {self.bytes / 1e9:.2f} GB, consumer waited "
-            f"{self.stall_fraction:.1%} of {self.wall_s:.2f}s; fetch {self.fetch_s:.2f}s, "
+            f"[{verdict}] {self.batches} batches, {self.bytes / 1e9:.2f} GB, consumer waited for data "
+            f"{self.stall_fraction:.1%} of {self.wall_s:.2f}s between first and last batches (start-up "
+            f"{self.startup_s:.2f}s not counted); fetch {self.fetch_s:.2f}s, "
             f"stage {self.stage_s:.2f}s ({self.stage_GBps:.1f} GB/s), copy {self.copy_s:.2f}s "
             f"({self.h2d_GBps:.1f} GB/s), {self.throughput_GBps:.1f} GB/s delivered"
         )
