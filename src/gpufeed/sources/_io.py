@@ -155,7 +155,11 @@ def pread_exact(fd: int, buf: memoryview, offset: int, path: str) -> None:
     want = len(buf)
     done = 0
     while done < want:
-        got = os.preadv(fd, [buf[done:]], offset + done)
+        try:
+            got = os.preadv(fd, [buf[done:]], offset + done)
+        except OSError as exc:  # the OS names no file: name it (e.g. a file replaced by a directory)
+            raise type(exc)(exc.errno, f"{exc.strerror} (reading {want} bytes at offset {offset})",
+                            path) from exc
         if got <= 0:
             raise OSError(short_read_message(path, offset, want, done))
         done += got
