@@ -599,3 +599,17 @@ def test_gpufeed_debug_shows_the_traceback(tmp_path, monkeypatch, capsys):
     assert main(["inspect", str(tmp_path / "t.h5")]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"gpufeed inspect: error: cannot open {tmp_path / 't.h5'} as HDF5 (")
+
+
+def test_convert_lists_skipped_datasets_and_its_errors_name_the_flag(tmp_path, capsys):
+    h5py = pytest.importorskip("h5py")
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["x"] = np.zeros((5, 2), np.float32)
+        f["s"] = np.array(["a"] * 5, dtype=h5py.string_dtype())
+    assert main(["convert", str(tmp_path / "in.h5"), str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "  x: 5 samples of (2,) <f4 -> x.bin" in out and "  s: skipped (H5Source: " in out
+    assert main(["convert", str(tmp_path / "in.h5"), str(tmp_path / "bad"), "--fields", "x", "nope"]) == 1
+    err = capsys.readouterr().err
+    assert "has no dataset 'nope'" in err and "--fields" in err and "fields=" not in err
+    assert not (tmp_path / "bad").exists()

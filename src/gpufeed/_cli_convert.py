@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 
 from gpufeed._cli_util import CLIError, format_bytes, say
@@ -26,7 +27,12 @@ def run(args: argparse.Namespace) -> int:
     manifest = Path(args.outdir) / "manifest.json"
     before = manifest.stat().st_mtime_ns if manifest.exists() else None
     t0 = time.perf_counter()
-    path = Path(convert_h5_to_raw(args.h5, args.outdir, fields=args.fields))
+    try:
+        with warnings.catch_warnings():  # skipped datasets are listed below, not as a Python warning
+            warnings.simplefilter("ignore", RuntimeWarning)
+            path = Path(convert_h5_to_raw(args.h5, args.outdir, fields=args.fields))
+    except ValueError as exc:  # the library's advice names its keyword; here the flag is --fields
+        raise CLIError(str(exc).replace("fields=", "--fields")) from None
     seconds = time.perf_counter() - t0
     fresh = before is None or path.stat().st_mtime_ns != before
     doc = json.loads(path.read_text())
@@ -38,5 +44,7 @@ def run(args: argparse.Namespace) -> int:
         shape = tuple(spec.get("shape", ()))
         samples, dtype, file = spec.get("num_samples"), spec.get("dtype"), spec.get("file")
         say(f"  {name}: {samples} samples of {shape} {dtype} -> {file}")
+    for name, why in doc.get("skipped", {}).items():
+        say(f"  {name}: skipped ({why})")
     say(f"read it with RawSource({str(path)!r}) or GDSSource({str(path)!r})")
     return 0

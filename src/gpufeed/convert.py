@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,9 @@ def convert_h5_to_raw(
     Args:
         h5_path: the HDF5 file.
         out_dir: directory for the ``.bin`` files and ``manifest.json`` (created if needed).
-        fields: dataset names or ``{field name: dataset path}``, as for ``H5Source``; ``None``: every dataset.
+        fields: dataset names or ``{field name: dataset path}``, as for ``H5Source``; ``None``: every
+            dataset that can become raw samples (the others are skipped with a warning, and listed under
+            ``skipped`` in the manifest).
         align: alignment in bytes of the data start and file sizes, a power of two (4096 suits GDS).
         chunk_bytes: about how many bytes to hold in memory at once.
 
@@ -47,8 +51,9 @@ def convert_h5_to_raw(
 
     Raises:
         FileNotFoundError: ``h5_path`` does not exist.
-        ValueError: a dataset is missing or cannot become raw samples (strings, objects, ...), or the
-            fields' sample counts differ; the message names the file and the fix.
+        ValueError: a named dataset is missing or cannot become raw samples (strings, objects, ...), no
+            dataset can, or the fields' sample counts differ; the message names the file and the fix.
+            Nothing is written then (an output folder this call created is removed).
 
     Example:
         >>> manifest = convert_h5_to_raw("train.h5", "train.raw", ["images", "labels"])  # doctest: +SKIP
@@ -65,29 +70,31 @@ def convert_h5_to_raw(
     except FileNotFoundError:
         raise FileNotFoundError(f"convert_h5_to_raw: no such file: {src}") from None
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     manifest = out / _manifest.NAME
     source_info = {"path": str(src), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     with _open(h5py, str(src)) as f:
-        names = _resolve_fields(h5py, f, fields, str(src))
+        names, skipped = _convertible(h5py, f, _resolve_fields(h5py, f, fields, str(src)), str(src),
+                                      every=fields is None)
         if _up_to_date(manifest, source_info, names, align):
             return manifest
-        found = {
-            name: _inspect(h5py, f, ds, str(src), 0, use_offsets=False, indirect_ok=True)
-            for name, ds in names.items()
-        }
-        counts = {name: fd.rows for name, fd in found.items()}
+        counts = {name: int(f[ds].shape[0]) for name, ds in names.items()}
         if len(set(counts.values())) > 1:
             raise ValueError(
                 f"convert_h5_to_raw: {src}: fields have different sample counts {counts}; every field "
                 "needs one row per sample: pass fields= with datasets of equal length"
             )
         files = _file_names(names)
-        if manifest.exists():
-            manifest.unlink()  # never leave an old manifest beside new data files
-        entries = {}
-        for name, ds in names.items():
-            entries[name] = _convert_one(f[ds], out, files[name], align, chunk_bytes)
+        created = not out.exists()
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            if manifest.exists():
+                manifest.unlink()  # never leave an old manifest beside new data files
+            entries = {name: _convert_one(f[ds], out, files[name], align, chunk_bytes)
+                       for name, ds in names.items()}
+        except BaseException:
+            if created:  # a failed conversion leaves nothing behind
+                shutil.rmtree(out, ignore_errors=True)
+            raise
     doc = {
         "format": _manifest.FORMAT,
         "version": _manifest.VERSION,
@@ -96,9 +103,35 @@ def convert_h5_to_raw(
         "source": source_info,
         "datasets": dict(names),
         "fields": entries,
+        "skipped": skipped,
     }
     _manifest.write_atomic(manifest, doc)
     return manifest
+
+
+def _convertible(h5py: Any, f: Any, names: dict[str, str], src: str, every: bool
+                 ) -> tuple[dict[str, str], dict[str, str]]:
+    """The datasets that can become raw samples, and why each other one cannot.
+
+    With ``every`` (no fields named), a dataset that cannot (strings, compound or object data) is
+    skipped with one warning that names it; a dataset the user named raises instead.
+    """
+    ok, skipped = {}, {}
+    for name, ds in names.items():
+        try:
+            _inspect(h5py, f, ds, src, 0, use_offsets=False, indirect_ok=True)
+            ok[name] = ds
+        except ValueError as exc:
+            if not every:
+                raise
+            skipped[name] = str(exc)
+    if not ok:
+        why = "; ".join(skipped.values())
+        raise ValueError(f"convert_h5_to_raw: {src}: no dataset can become raw samples: {why}")
+    if skipped:
+        warnings.warn(f"convert_h5_to_raw: {src}: skipped {sorted(skipped)}, which cannot become raw "
+                      f"samples: {'; '.join(skipped.values())}", RuntimeWarning, stacklevel=3)
+    return ok, skipped
 
 
 def _up_to_date(manifest: Path, source_info: dict[str, Any], names: Mapping[str, str], align: int) -> bool:

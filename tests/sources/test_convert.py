@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 h5py = pytest.importorskip("h5py")
 
@@ -143,13 +144,25 @@ def test_no_temporary_files_left_and_manifest_is_written_last(tmp_path):
     assert not [p for p in os.listdir(tmp_path / "raw") if "tmp" in p]
 
 
-def test_failed_conversion_leaves_no_manifest(tmp_path):
+def test_unsupported_datasets_are_skipped_and_named_and_a_named_one_raises_writing_nothing(tmp_path):
     with h5py.File(tmp_path / "in.h5", "w") as f:
-        f["x"] = np.zeros((5, 2), np.float32)
+        f["x"] = np.arange(10, dtype=np.float32).reshape(5, 2)
         f["s"] = np.array(["a", "b", "c", "d", "e"], dtype=h5py.string_dtype())
-    with pytest.raises(ValueError, match=r"strings"):
-        convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")
-    assert not (tmp_path / "raw" / "manifest.json").exists()
+    with pytest.warns(RuntimeWarning, match=r"skipped \['s'\], which cannot become raw samples: .*strings"):
+        manifest = convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")
+    doc = json.loads(manifest.read_text())
+    assert list(doc["fields"]) == ["x"] and list(doc["skipped"]) == ["s"]
+    out = {"x": torch.empty(5, 2)}
+    RawSource(manifest).read(range(5), out)
+    assert torch.equal(out["x"], torch.arange(10.0).view(5, 2))
+    with pytest.raises(ValueError, match=r"strings"):  # named: an error, and no folder left behind
+        convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "named", fields=["x", "s"])
+    assert not (tmp_path / "named").exists()
+    with h5py.File(tmp_path / "strings.h5", "w") as f:
+        f["s"] = np.array(["a", "b"], dtype=h5py.string_dtype())
+    with pytest.raises(ValueError, match=r"no dataset can become raw samples"):
+        convert_h5_to_raw(tmp_path / "strings.h5", tmp_path / "none")
+    assert not (tmp_path / "none").exists()
 
 
 def test_bad_arguments(tmp_path):
