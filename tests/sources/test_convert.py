@@ -171,3 +171,15 @@ def test_bad_arguments(tmp_path):
         convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw", align=1000)
     with pytest.raises(FileNotFoundError, match=r"nope.h5"):
         convert_h5_to_raw(tmp_path / "nope.h5", tmp_path / "raw")
+
+
+def test_a_converted_file_read_directly_returns_no_padding_rows(tmp_path):
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["x"] = np.arange(16, dtype=np.float32).reshape(8, 2)  # 64 bytes, padded to 4096: 504 rows of zeros
+    convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")
+    assert os.path.getsize(tmp_path / "raw" / "x.bin") == 4096
+    src = RawSource(tmp_path / "raw" / "x.bin", dtype="float32", shape=(2,))
+    assert len(src) == 8
+    out = {"x": torch.empty(8, 2)}
+    src.read(range(8), out)
+    assert torch.equal(out["x"], torch.arange(16.0).view(8, 2))

@@ -101,3 +101,15 @@ def write_atomic(path: Path, doc: dict[str, Any]) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def rows_of(path: str) -> int | None:
+    """The samples a manifest beside ``path`` records for it, or None: a converted file is zero-padded to
+    its alignment, and that padding is not data."""
+    beside = Path(path).with_name(NAME)
+    try:
+        doc = json.loads(beside.read_text())
+        specs = doc.get("fields", {}).values()
+        return next(int(s["num_samples"]) for s in specs if s.get("file") == Path(path).name)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration):
+        return None

@@ -225,6 +225,9 @@ def _open_one(name: str, path: str, opts: dict[str, Any]) -> tuple[Field, int, i
     if off < 0 or off > size:
         raise ValueError(f"RawSource: offset={off} is outside {path} ({size} bytes)")
     rows, rest = divmod(size - off, _row_bytes(field, path))
+    listed = _manifest.rows_of(path) if off == 0 else None
+    if listed is not None and listed <= rows:  # a converted file: its alignment padding is not data
+        return field, off, listed
     if rest:
         raise ValueError(
             f"RawSource: {path} holds {size - off} bytes after offset {off}, not a whole number of "
