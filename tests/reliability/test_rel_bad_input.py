@@ -165,7 +165,7 @@ def test_wrong_dtype(kind, tmp_path):
     elif kind == "manifest":
         _, _opener = write(kind, tmp_path)
         expect(lambda: RawSource(tmp_path / "draw", dtype="float32"), ValueError, "",
-               r"manifest records dtype and shape; do not pass dtype=")
+               r"manifest records each field.s name, dtype and shape; do not pass name=, dtype=")
     else:
         write(kind, tmp_path, name="a")
         write(kind, tmp_path, X.astype(np.float64), name="b")

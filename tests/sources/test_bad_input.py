@@ -161,7 +161,7 @@ def test_manifest_from_another_version(manifest):
 
 
 def test_manifest_with_dtype_argument(manifest):
-    with pytest.raises(ValueError, match=r"manifest records dtype"):
+    with pytest.raises(ValueError, match=r"manifest records each field.s name, dtype and shape"):
         RawSource(manifest, dtype="float32")
 
 

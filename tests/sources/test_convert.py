@@ -183,3 +183,17 @@ def test_a_converted_file_read_directly_returns_no_padding_rows(tmp_path):
     out = {"x": torch.empty(8, 2)}
     src.read(range(8), out)
     assert torch.equal(out["x"], torch.arange(16.0).view(8, 2))
+
+
+def test_raw_source_selects_and_renames_the_fields_of_a_manifest_as_h5source_does(tmp_path):
+    _h5(tmp_path / "in.h5", _data())
+    manifest = convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")
+    every = RawSource(manifest)
+    first = next(iter(every.fields))
+    assert list(RawSource(manifest, fields=[first]).fields) == [first]
+    renamed = RawSource(manifest, fields={"a": first})
+    assert list(renamed.fields) == ["a"] and renamed.fields["a"].shape == every.fields[first].shape
+    with pytest.raises(ValueError, match=r"has no field \['nope'\]; its fields are: "):
+        RawSource(manifest, fields=["nope"])
+    with pytest.raises(ValueError, match=r"do not pass name=, dtype= or shape="):
+        RawSource(manifest, name="y")

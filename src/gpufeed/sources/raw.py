@@ -48,9 +48,11 @@ class RawSource(HostFileSource):
         dtype: sample dtype of raw files (numpy-style like ``"float32"``, or a torch dtype such as
             ``torch.bfloat16``). ``.npy`` files carry their own; if given, it must match.
         shape: per-sample shape of raw files (``()`` for scalars). ``.npy`` files carry their own.
-        name: the field name when ``paths`` holds a single field.
+        name: the field name when ``paths`` holds a single field (default ``"x"``; a manifest names its own).
         fields: several fields, ``{name: spec}``, where spec is a path, a list of paths, or a dict with
             ``paths`` and optionally ``dtype``, ``shape``, ``offset`` (defaults: the arguments above).
+            With a manifest, the fields to load, as for ``H5Source``: a list of names, or
+            ``{new name: field}``; default every field.
         offset: bytes to skip at the start of each raw file (a header); ignored for ``.npy`` files.
 
     Example:
@@ -70,21 +72,21 @@ class RawSource(HostFileSource):
         paths: PathLike | Sequence[PathLike] | None = None,
         dtype: Any = None,
         shape: int | Sequence[int] | None = None,
-        name: str = "x",
-        fields: Mapping[str, FieldSpec] | None = None,
+        name: str | None = None,
+        fields: Mapping[str, FieldSpec] | Sequence[str] | None = None,
         *,
         offset: int = 0,
     ) -> None:
+        if paths is not None and _is_manifest(paths):
+            if dtype is not None or shape is not None or name is not None:
+                raise ValueError("RawSource: a manifest records each field's name, dtype and shape; do not "
+                                 "pass name=, dtype= or shape= (select fields with fields=[...])")
+            self._build(_select(_from_manifest(paths), fields, str(paths)))
+            return
+        name = "x" if name is None else name
         if fields is None:
             if paths is None:
                 raise ValueError("RawSource: pass paths=... (a file or a list of files) or fields={...}")
-            if _is_manifest(paths):
-                if dtype is not None or shape is not None:
-                    raise ValueError(
-                        "RawSource: a manifest records dtype and shape; do not pass dtype=/shape="
-                    )
-                self._build(_from_manifest(paths))
-                return
             for path in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
                 if not os.path.exists(path):
                     raise FileNotFoundError(
@@ -181,6 +183,23 @@ def _from_manifest(path: PathLike) -> list[tuple[Field, list[tuple[str, int, int
         field = Field(e.name, e.shape, torch_dtype(e.dtype, f"{e.path} (field '{e.name}')"))
         out.append((field, [(e.path, e.offset, e.num_samples)]))
     return out
+
+
+def _select(per_field: list[tuple[Field, list[tuple[str, int, int]]]],
+            fields: Mapping[str, str] | Sequence[str] | None, manifest: str
+            ) -> list[tuple[Field, list[tuple[str, int, int]]]]:
+    """The manifest's fields that ``fields`` names (as for H5Source: names, or ``{new name: field}``)."""
+    if fields is None:
+        return per_field
+    wanted = {fields: fields} if isinstance(fields, str) else (
+        dict(fields) if isinstance(fields, Mapping) else {f: f for f in fields})
+    known = {f.name: (f, files) for f, files in per_field}
+    missing = [v for v in wanted.values() if v not in known]
+    if missing or not wanted:
+        raise ValueError(f"RawSource: {manifest} has no field {missing or wanted!r}; its fields are: "
+                         f"{', '.join(known)}")
+    return [(Field(new, known[old][0].shape, known[old][0].dtype), known[old][1])
+            for new, old in wanted.items()]
 
 
 def _field_files(
