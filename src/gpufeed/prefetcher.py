@@ -29,11 +29,49 @@ _JOIN_S = 5.0
 class CudaPrefetcher:
     """Yield the batches of ``source`` with every tensor already on ``device``.
 
+    One line in a training loop::
+
+        for batch in CudaPrefetcher(loader):           # any DataLoader, list or iterable
+            loss = model(batch["x"]).loss(batch["y"])   # batch["x"] is already on the GPU
+
     Wraps any iterable (a DataLoader, a list, a callable that returns a fresh iterable each epoch)
-    or a :class:`~gpufeed.BatchSource`. A background thread pulls batches ahead of the consumer;
-    tensors that are not pinned are copied in chunks into pinned memory (torch's caching host
-    allocator) and from there to the device on one dedicated copy stream, while the consumer computes
-    on its own stream.
+    or a :class:`~gpufeed.BatchSource` (then gpufeed batches, shuffles and shards it). A background
+    thread pulls batches ahead of the training loop; tensors that are not pinned are pinned there
+    (torch's caching host allocator) and copied to the device on one dedicated copy stream while the
+    loop computes on its own stream. Re-iterate it for each epoch; ``len``, ``set_epoch`` and
+    ``state_dict`` behave as a DataLoader's. ``pf.stats`` (a :class:`~gpufeed.PrefetchStats`) says
+    whether the loop waited for data: ``print(pf.stats.summary())``. Without CUDA (or with
+    ``device="cpu"``) the same class runs on the CPU: a background thread and no streams.
+
+    Example:
+        >>> loader = [{"x": torch.arange(4)}, {"x": torch.arange(4, 8)}]
+        >>> with CudaPrefetcher(loader, device="cpu") as pf:
+        ...     [b["x"].sum().item() for b in pf]
+        [6, 22]
+
+    Args:
+        source: the loader (any iterable, or a zero-argument callable returning one) or a BatchSource.
+        device: target device; ``None`` means the current CUDA device when CUDA is available, else CPU.
+        depth: batches prefetched ahead of the one the loop holds (>= 1; 1 is double buffering).
+        transform: optional function applied to each batch on the device, on the copy stream (ship
+            ``uint8`` and convert on the GPU: a quarter of the bytes of ``float32``).
+        batch_size: a BatchSource only: samples per batch (a loader batches itself).
+        shuffle: a BatchSource only: ``False``, ``True`` (a new permutation of the samples each epoch),
+            or ``"blocks"`` (batch-sized blocks of consecutive samples in a random order: each batch is
+            one sequential read, for slow disks).
+        drop_last, seed, rank, world_size, pad: a BatchSource only: drop a short last batch; the
+            shuffle's seed (combined with the epoch); this process's shard (default: from
+            ``torch.distributed`` when initialized); pad shards to equal length (see
+            :func:`gpufeed.sources.plan_batches`). With a loader, each of these raises: set them on
+            the loader and its sampler.
+        num_threads: a BatchSource only: reader threads (default: up to 8).
+        pinned_budget: bytes of pinned memory a BatchSource's reads may hold (0 disables pinned staging
+            in both modes: pageable copies, still off the loop's thread).
+        chunk_bytes: a pageable tensor larger than this is staged in chunks of it, so filling one chunk
+            overlaps the copy of the one before; also the size of a source's pinned buffers.
+        static: deliver every batch into the same device tensors, for a captured CUDA graph; each item
+            is then a :class:`~gpufeed.StaticBatch` ``(batch, valid)``, a short last batch zero-padded.
+        trace: record every batch's stages for :meth:`export_trace` (default: env ``GPUFEED_TRACE=1``).
 
     Stream and memory invariants:
 
@@ -42,37 +80,11 @@ class CudaPrefetcher:
       ``__next__`` makes the consumer's current stream wait on that event only.
     * Device tensors of a batch are allocated on the copy stream and ``record_stream``-ed to the
       consumer's stream, so the caching allocator never hands their memory to a later copy while
-      kernels of the consumer may still read it - even when the user keeps the batch. The staged
-      (pageable) tensors of one batch are views of one allocation, freed when the last is.
+      kernels of the consumer may still read it, even when the user keeps the batch.
     * Pinned staging memory is refilled only after the event behind the copy that read it completed
       (:mod:`gpufeed.staging`).
     * At most ``depth`` batches are prefetched (copied or being copied) ahead of the batch the consumer
-      holds; ``depth=1`` is double buffering.
-
-    Without CUDA (or with ``device="cpu"``) the same class runs on the CPU: a background thread and
-    no streams, so everything but the CUDA specifics behaves identically.
-
-    Args:
-        source: the loader (any iterable, or a zero-argument callable returning one) or a BatchSource.
-        device: target device; ``None`` means the current CUDA device when CUDA is available, else CPU.
-        depth: batches prefetched ahead of the consumer (>= 1).
-        transform: optional function applied to each batch on the device, on the copy stream.
-        batch_size, shuffle, drop_last, seed, rank, world_size, pad: source mode only (see
-            :func:`gpufeed.sources.plan_batches`).
-        num_threads: reader threads of a BatchSource (default: up to 8).
-        pinned_budget: bytes of pinned memory a BatchSource's reads may hold (0 disables pinned staging
-            in both modes: pageable copies, still off the consumer's thread).
-        chunk_bytes: a pageable tensor larger than this is staged in chunks of it, so filling one chunk
-            overlaps the copy of the one before; also the size of a source's pinned buffers.
-        static: deliver every batch into the same device tensors, for a captured CUDA graph; each item
-            is then a :class:`~gpufeed.StaticBatch` ``(batch, valid)``, a short last batch zero-padded.
-        trace: record every batch's stages for :meth:`export_trace` (default: env ``GPUFEED_TRACE=1``).
-
-    Example:
-        >>> loader = [{"x": torch.arange(4)}, {"x": torch.arange(4, 8)}]
-        >>> with CudaPrefetcher(loader, device="cpu") as pf:
-        ...     [b["x"].sum().item() for b in pf]
-        [6, 22]
+      holds.
     """
 
     def __init__(
