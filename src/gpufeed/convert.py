@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
+import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from gpufeed.sources.h5 import _inspect, _open, _resolve_fields
 
 #: Rows are copied through a buffer of about this many bytes: memory stays flat whatever the file size.
 CHUNK_BYTES = 64 << 20
+MiB = 1 << 20
 
 
 def convert_h5_to_raw(
@@ -26,6 +29,7 @@ def convert_h5_to_raw(
     align: int = 4096,
     *,
     chunk_bytes: int = CHUNK_BYTES,
+    progress: bool | None = None,
 ) -> Path:
     """Write each dataset of an HDF5 file to ``<out_dir>/<field>.bin`` and describe them in ``manifest.json``.
 
@@ -45,6 +49,8 @@ def convert_h5_to_raw(
             ``skipped`` in the manifest).
         align: alignment in bytes of the data start and file sizes, a power of two (4096 suits GDS).
         chunk_bytes: about how many bytes to hold in memory at once.
+        progress: show bytes done, rate and time left on stderr while converting; ``None``: when stderr
+            is a terminal.
 
     Returns:
         The path of ``manifest.json``.
@@ -89,8 +95,10 @@ def convert_h5_to_raw(
         try:
             if manifest.exists():
                 manifest.unlink()  # never leave an old manifest beside new data files
-            entries = {name: _convert_one(f[ds], out, files[name], align, chunk_bytes)
-                       for name, ds in names.items()}
+            total = sum(int(f[ds].size) * f[ds].dtype.itemsize for ds in names.values())
+            with _Progress(total, sys.stderr.isatty() if progress is None else progress) as shown:
+                entries = {name: _convert_one(f[ds], out, files[name], align, chunk_bytes, shown.add)
+                           for name, ds in names.items()}
         except BaseException:
             if created:  # a failed conversion leaves nothing behind
                 shutil.rmtree(out, ignore_errors=True)
@@ -160,7 +168,8 @@ def _file_names(names: Mapping[str, str]) -> dict[str, str]:
     return files
 
 
-def _convert_one(dset: Any, out: Path, file: str, align: int, chunk_bytes: int) -> dict[str, Any]:
+def _convert_one(dset: Any, out: Path, file: str, align: int, chunk_bytes: int,
+                 done: Callable[[int], None]) -> dict[str, Any]:
     dtype = dset.dtype.newbyteorder("=") if dset.dtype.itemsize > 1 else dset.dtype
     rows = int(dset.shape[0])
     shape = tuple(int(d) for d in dset.shape[1:])
@@ -177,6 +186,7 @@ def _convert_one(dset: Any, out: Path, file: str, align: int, chunk_bytes: int) 
                 k = min(step, rows - a)
                 dset.read_direct(buf, np.s_[a : a + k], np.s_[0:k])
                 fh.write(memoryview(buf[:k].reshape(-1).view(np.uint8)))
+                done(buf[:k].nbytes)
             size = fh.tell()
             pad = -size % align
             if pad:
@@ -195,3 +205,29 @@ def _convert_one(dset: Any, out: Path, file: str, align: int, chunk_bytes: int) 
         "offset": 0,
         "file_size": size + pad,
     }
+
+
+class _Progress:
+    """Bytes done, rate and time left on one stderr line, redrawn at most twice a second (when shown)."""
+
+    def __init__(self, total: int, shown: bool) -> None:
+        self.total, self.shown, self.done = total, shown, 0
+        self.start = self.last = time.perf_counter()
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if self.shown and (now - self.last >= 0.5 or self.done >= self.total):
+            self.last = now
+            rate = self.done / max(now - self.start, 1e-9)
+            left = (self.total - self.done) / rate if rate > 0 else 0.0
+            sys.stderr.write(f"\r  {self.done / MiB:,.0f} of {self.total / MiB:,.0f} MiB, "
+                             f"{rate / MiB:,.0f} MiB/s, {left:.0f} s left ")
+            sys.stderr.flush()
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.shown and self.done:
+            sys.stderr.write("\n")

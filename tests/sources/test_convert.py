@@ -197,3 +197,13 @@ def test_raw_source_selects_and_renames_the_fields_of_a_manifest_as_h5source_doe
         RawSource(manifest, fields=["nope"])
     with pytest.raises(ValueError, match=r"do not pass name=, dtype= or shape="):
         RawSource(manifest, name="y")
+
+
+def test_progress_shows_bytes_rate_and_time_left_only_when_asked(tmp_path, capsys):
+    _h5(tmp_path / "in.h5", _data())
+    convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "quiet", chunk_bytes=1024)
+    assert capsys.readouterr().err == ""  # not a terminal: quiet
+    convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "shown", chunk_bytes=1024, progress=True)
+    err = capsys.readouterr().err
+    assert err.startswith("\r  ") and " MiB/s, " in err and err.rstrip().endswith("s left")
+    assert err.endswith("\n")
