@@ -49,7 +49,7 @@ class Delivered:
 
 
 class Copier:
-    """Moves batches to ``device``: pinned tensors directly, pageable ones staged through pinned chunks.
+    """Moves batches to ``device``: pinned tensors directly, pageable ones pinned first (``Stager``).
 
     Lives in the background thread of one epoch. Every copy (and the transform) runs on the copy
     stream, and one event recorded after them is what the consumer's stream waits on. Device tensors
