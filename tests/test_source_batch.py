@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from gpufeed._source_batch import _Chain, regions
+from gpufeed.pinned_pool import PinnedPool
 from gpufeed.sources import plan_batches
-from gpufeed.staging import PinnedPool
 from test_source_mode import ArraySource, OddSource
 
 STOP = threading.Event()

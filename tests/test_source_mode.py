@@ -238,7 +238,7 @@ def test_seal_fences_the_tensors_of_the_transform_output():
     from types import SimpleNamespace
 
     from gpufeed._copier import Copier
-    from gpufeed.staging import PinnedPool
+    from gpufeed.pinned_pool import PinnedPool
 
     copier = Copier(torch.device("cpu"), None, PinnedPool(pin=False), SimpleNamespace(),
                     lambda b: [b["x"] + 1, "tag", {"z": b["x"]}], num_threads=1)

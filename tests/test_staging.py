@@ -5,7 +5,8 @@ import threading
 import pytest
 import torch
 
-from gpufeed.staging import PinnedPool, Stager
+from gpufeed.pinned_pool import PinnedPool
+from gpufeed.staging import Stager
 
 STOP = threading.Event()
 

@@ -15,7 +15,8 @@ import torch
 from gpufeed import _nvtx
 from gpufeed._tracing import TraceRecorder
 from gpufeed._tree import flatten
-from gpufeed.staging import PinnedPool, PinnedUnavailable, Stager, warn_pageable
+from gpufeed.pinned_pool import PinnedPool
+from gpufeed.staging import PinnedUnavailable, Stager, warn_pageable
 from gpufeed.stats import PrefetchStats
 
 

@@ -19,18 +19,69 @@ import collections
 import contextlib
 import functools
 import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
 
 from gpufeed._copier import Copier, Delivered
-from gpufeed.staging import INLINE_BYTES, PinnedUnavailable, _result, _traced, byte_view, run_now, split
+from gpufeed._worker import Stopped
+from gpufeed.staging import PinnedUnavailable, byte_view
 
 #: The smallest read a batch is split into (a batch smaller than this is one read). Each read costs the
 #: background threads GIL handoffs, and every handoff can delay the training thread, whose torch calls
 #: each release and retake the GIL (docs/design.md, "Reading a BatchSource", has the figures).
 MIN_READ_BYTES = 4 << 20
 _ALIGN = 64  # each field's region in a staging buffer starts on a cache line (and any dtype's alignment)
+
+
+def split(total: int, piece: int) -> list[tuple[int, int]]:
+    """``[(offset, n), ...]`` covering ``range(total)`` in pieces of at most ``piece``."""
+    return [(off, min(piece, total - off)) for off in range(0, total, piece)]
+
+
+#: A source read this small (a small batch's one read) runs on the background thread itself: handing it
+#: to a worker costs GIL handoffs (submit, wake, result, wake), and each can delay the training thread's
+#: next torch call.
+INLINE_BYTES = 1 << 20
+
+
+def run_now(job: Callable[[], Any]) -> Future:
+    """Run ``job`` on this thread; a done Future with its result or exception (as a worker's would be)."""
+    fut: Future = Future()
+    try:
+        fut.set_result(job())
+    except BaseException as exc:  # delivered through the future, as from a worker thread
+        fut.set_exception(exc)
+    return fut
+
+
+
+
+
+def _traced(trace: Any, job: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        t0 = time.perf_counter_ns()
+        job()
+        trace.add("fill", t0, time.perf_counter_ns())
+
+    return run
+
+
+def _result(fut: Future, stop: threading.Event | None, swallow: bool = False) -> object:
+    while True:
+        try:
+            return fut.result(timeout=0.05)
+        except FutureTimeout:
+            if stop is not None and stop.is_set():
+                raise Stopped from None
+        except BaseException:
+            if swallow:
+                return None
+            raise
 
 
 def regions(fields: Any, nrows: int) -> tuple[dict[str, int], int]:

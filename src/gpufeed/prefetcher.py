@@ -19,7 +19,8 @@ from gpufeed import _nvtx, _worker
 from gpufeed._copier import Copier, Delivered
 from gpufeed._static import StaticBuffers
 from gpufeed._tracing import TraceRecorder
-from gpufeed.staging import DEFAULT_CHUNK_BYTES, DEFAULT_PINNED_BUDGET, PinnedPool
+from gpufeed.pinned_pool import PinnedPool
+from gpufeed.staging import DEFAULT_CHUNK_BYTES, DEFAULT_PINNED_BUDGET
 from gpufeed.stats import PrefetchStats
 
 _LIVE: weakref.WeakSet[CudaPrefetcher] = weakref.WeakSet()

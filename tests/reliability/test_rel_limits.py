@@ -22,8 +22,9 @@ from _rel import OnDisk, check_epoch, checked, keep, note, open_fds
 from conftest import wait_no_threads
 from gpufeed import CudaPrefetcher
 from gpufeed._worker import Stopped
+from gpufeed.pinned_pool import PinnedPool
 from gpufeed.sources import RawSource, plan_batches
-from gpufeed.staging import PinnedPool, Stager
+from gpufeed.staging import Stager
 
 
 @pytest.mark.timeout(30)

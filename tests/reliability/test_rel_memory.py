@@ -14,8 +14,8 @@ from _rel import KINDS, OnDisk, check_epoch, checked, keep, note, open_fds, rss_
 
 from conftest import wait_no_threads
 from gpufeed import CudaPrefetcher
+from gpufeed.pinned_pool import PinnedPool
 from gpufeed.sources import plan_batches
-from gpufeed.staging import PinnedPool
 
 MiB = 1 << 20
 EPOCHS = 50

@@ -304,7 +304,7 @@ def staged_epoch(src, plan, budget, chunk, threads, stop):
     On the GPU machine this path runs for real; here it runs with ``stream=None``."""
     from gpufeed._copier import Copier
     from gpufeed._source_batch import _Chain
-    from gpufeed.staging import PinnedPool
+    from gpufeed.pinned_pool import PinnedPool
     from gpufeed.stats import PrefetchStats
 
     pool = PinnedPool(budget, chunk, pin=False)

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from gpufeed import staging
+from gpufeed import pinned_pool as staging
 
 
 def main() -> int:

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from gpufeed import CudaPrefetcher
+from gpufeed.pinned_pool import PinnedPool
 from gpufeed.sources import RawSource
-from gpufeed.staging import PinnedPool
 
 
 def main() -> int:
