@@ -230,17 +230,14 @@ def _suggest(datasets: list[dict[str, Any]]) -> list[str]:
 
 def inspect_npy(path: str) -> dict[str, Any]:
     import numpy as np
-    from numpy.lib import format as npformat
+
+    from gpufeed.sources.raw import npy_header
 
     size = os.path.getsize(path)
-    with open(path, "rb") as fh:
-        try:
-            version = npformat.read_magic(fh)
-            read = npformat.read_array_header_1_0 if version == (1, 0) else npformat.read_array_header_2_0
-            shape, fortran, dtype = read(fh)
-        except ValueError as exc:
-            raise CLIError(f"{path} is not a valid .npy file ({exc}); write it with np.save") from None
-        header = fh.tell()
+    try:
+        version, shape, fortran, dtype, header = npy_header(path)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     data = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     order = "F" if fortran and len(shape) > 1 else "C"
     report: dict[str, Any] = {

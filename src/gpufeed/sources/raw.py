@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -256,7 +256,10 @@ def _open_one(name: str, path: str, opts: dict[str, Any]) -> tuple[Field, int, i
 
 
 def _npy(name: str, path: str, size: int, opts: dict[str, Any]) -> tuple[Field, int, int]:
-    shape, fortran, dt, off = _npy_header(path)
+    try:
+        _, shape, fortran, dt, off = npy_header(path)
+    except ValueError as exc:
+        raise ValueError(f"RawSource: {exc}") from exc
     if fortran and len(shape) > 1:
         raise ValueError(
             f"RawSource: {path} is stored in Fortran order; gpufeed reads C order: re-save it with "
@@ -281,7 +284,22 @@ def _npy(name: str, path: str, size: int, opts: dict[str, Any]) -> tuple[Field, 
     return field, off, rows
 
 
-def _npy_header(path: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+class NpyHeader(NamedTuple):
+    """What a ``.npy`` file's header says, and where its data start."""
+
+    version: tuple[int, int]
+    shape: tuple[int, ...]
+    fortran: bool
+    dtype: np.dtype
+    offset: int
+
+
+def npy_header(path: str) -> NpyHeader:
+    """Read the header of a ``.npy`` file.
+
+    Raises:
+        ValueError: not a valid ``.npy`` file (names the file and the fix).
+    """
     fmt = np.lib.format
     with open(path, "rb") as fh:
         try:
@@ -290,10 +308,8 @@ def _npy_header(path: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
             read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
             shape, fortran, dtype = read(fh)
         except ValueError as exc:
-            raise ValueError(
-                f"RawSource: {path} is not a valid .npy file ({exc}); write it with np.save"
-            ) from exc
-        return shape, fortran, dtype, fh.tell()
+            raise ValueError(f"{path} is not a valid .npy file ({exc}); write it with np.save") from exc
+        return NpyHeader(version, shape, fortran, dtype, fh.tell())
 
 
 def _row_bytes(field: Field, path: str) -> int:
