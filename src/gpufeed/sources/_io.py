@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ._layout import Layout, Runs
+from ._layout import Layout, Runs, row_array
 from .base import Field, Rows
 
 PathLike = str | os.PathLike
@@ -76,17 +76,9 @@ def check_rows(rows: Rows, num_samples: int, where: str) -> Runs:
         if a < 0 or b > num_samples:
             _out_of_range(a if a < 0 else b - 1, num_samples, where)
         return Runs.single(a, b)
-    if isinstance(rows, range):
-        rows = np.arange(rows.start, rows.stop, rows.step, dtype=np.int64)
-    arr = np.asarray(rows)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise ValueError(
-            f"{where}: rows must be a range or a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}; "
-            "pass e.g. np.array([0, 5, 6], dtype=np.int64)"
-        )
+    arr = row_array(rows, where)
     if arr.size == 0:
         return Runs.single(0, 0)
-    arr = arr.astype(np.int64, copy=False)
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi >= num_samples:
         _out_of_range(lo if lo < 0 else hi, num_samples, where)

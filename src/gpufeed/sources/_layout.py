@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import os
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -72,6 +72,19 @@ class Runs:
         if self.rows is None:
             return [self.one] if self.one else []
         return list(zip(self.starts.tolist(), self.stops.tolist(), strict=True))
+
+
+def row_array(rows: Any, where: str = "") -> np.ndarray:
+    """``rows`` (a range or a 1-D integer array) as an int64 array; a ValueError that says what to pass."""
+    if isinstance(rows, range):
+        return np.arange(rows.start, rows.stop, rows.step, dtype=np.int64)
+    arr = np.asarray(rows)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(
+            f"{where + ': ' if where else ''}rows must be a range or a 1-D integer array, got shape "
+            f"{arr.shape} dtype {arr.dtype}; pass e.g. np.array([0, 5, 6], dtype=np.int64)"
+        )
+    return arr.astype(np.int64, copy=False)
 
 
 def _run_bounds(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -10,7 +10,7 @@ from typing import Literal
 
 import numpy as np
 
-from ._layout import _run_bounds
+from ._layout import _run_bounds, row_array
 from .base import Rows
 
 Shuffle = bool | Literal["blocks"]
@@ -113,18 +113,10 @@ def coalesce(rows: Rows) -> list[tuple[int, int]]:
 
 def _runs(rows: Rows) -> tuple[np.ndarray, np.ndarray]:
     """``coalesce`` as two int64 arrays, ``starts`` and ``stops``, for vectorized planning."""
-    if isinstance(rows, range):
-        if rows.step == 1:
-            n = 1 if rows.stop > rows.start else 0
-            return np.full(n, rows.start, dtype=np.int64), np.full(n, rows.stop, dtype=np.int64)
-        rows = np.arange(rows.start, rows.stop, rows.step, dtype=np.int64)
-    a = np.asarray(rows)
-    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
-        raise ValueError(
-            f"rows must be a range or a 1-D integer array, got shape {a.shape} dtype {a.dtype}; "
-            "pass e.g. np.array([0, 5, 6], dtype=np.int64)"
-        )
-    return _run_bounds(a.astype(np.int64, copy=False))
+    if isinstance(rows, range) and rows.step == 1:
+        n = 1 if rows.stop > rows.start else 0
+        return np.full(n, rows.start, dtype=np.int64), np.full(n, rows.stop, dtype=np.int64)
+    return _run_bounds(row_array(rows))
 
 
 def _check_args(n, b, shuffle, drop_last, seed, epoch, rank, world_size, pad) -> None:
