@@ -382,11 +382,46 @@ if hasattr(os, "register_at_fork"):
 
 
 class HostFileSource:
-    """What RawSource and H5Source share: their fields, file list and length, read into host memory."""
+    """What RawSource and H5Source share: their fields, files and length, positional reads into host
+    memory, ``close`` and the context manager."""
 
     _fields: dict[str, Field]
+    _layouts: dict[str, Layout]
     _paths: list[str]
     _len: int
+    _where: str
+    _fds: FileDescriptors
+    _maps: FileMaps
+
+    def read(self, rows: Rows, out: Mapping[str, torch.Tensor]) -> None:
+        """Write ``rows`` of every field into ``out[name][: len(rows)]``, in the order of ``rows``.
+
+        Raises:
+            IndexError: a row is outside ``[0, len(self))``.
+            ValueError: an ``out`` tensor is missing, too small, of the wrong dtype/shape or not on the host.
+            OSError: a file ended early (changed after the source was opened), or a read failed; the
+                message names the file.
+        """
+        runs = check_rows(rows, self._len, self._where)
+        bufs = check_outs(self._fields, out, runs.n, "cpu", self._where)
+        if runs.n == 0:
+            return
+        for name, layout in self._layouts.items():
+            self._read_field(layout, runs, bufs[name])
+
+    def _read_field(self, layout: Layout, runs: Runs, t: torch.Tensor) -> None:
+        read_by_offset(layout, runs, t, self._fds, self._maps, self._paths)
+
+    def close(self) -> None:
+        """Close this process's file descriptors and maps (a later ``read`` reopens them). Idempotent."""
+        self._fds.close()
+        self._maps.close()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def fields(self) -> Mapping[str, Field]:

@@ -23,15 +23,12 @@ from ._io import (
     _PerProcess,
     as_paths,
     check_file,
-    check_outs,
-    check_rows,
     host_bytes,
     pread_exact,
-    read_by_offset,
     torch_dtype,
 )
-from ._layout import Extent, Layout, merge_extents
-from .base import Field, Rows
+from ._layout import Extent, Layout, Runs, merge_extents
+from .base import Field
 
 # h5py serializes every call behind its own global lock anyway; ours keeps a read_direct and its
 # dataset lookup together and documents that the h5py path is single-threaded.
@@ -155,25 +152,11 @@ class H5Source(HostFileSource):
             lines += [f"  {os.path.basename(p)}: {reason}" for p, _, reason in self._how[name]]
         return "\n".join(lines)
 
-    def read(self, rows: Rows, out: Mapping[str, torch.Tensor]) -> None:
-        """Write ``rows`` of every field into ``out[name][: len(rows)]``, in the order of ``rows``.
-
-        Raises:
-            IndexError: a row is outside ``[0, len(self))``.
-            ValueError: an ``out`` tensor is missing, too small, of the wrong dtype/shape or not on the host.
-            OSError: a file ended early (changed after the source was opened).
-        """
-        runs = check_rows(rows, self._len, self._where)
-        n = runs.n
-        bufs = check_outs(self._fields, out, n, "cpu", self._where)
-        if n == 0:
-            return
-        for name, layout in self._layouts.items():
-            if layout.by_offset:
-                read_by_offset(layout, runs, bufs[name], self._fds, self._maps, self._paths)
-            else:
-                mv = host_bytes(bufs[name], n * layout.row_nbytes)
-                self._read_mixed(layout, runs.pairs(), bufs[name][:n], mv)
+    def _read_field(self, layout: Layout, runs: Runs, t: torch.Tensor) -> None:
+        if layout.by_offset:
+            super()._read_field(layout, runs, t)
+        else:  # some extents are read through h5py (chunked or compressed): see _read_mixed
+            self._read_mixed(layout, runs.pairs(), t[: runs.n], host_bytes(t, runs.n * layout.row_nbytes))
 
     def _read_mixed(
         self, layout: Layout, runs: list[tuple[int, int]], t: torch.Tensor, mv: memoryview
@@ -198,16 +181,9 @@ class H5Source(HostFileSource):
 
     def close(self) -> None:
         """Close this process's file descriptors and h5py files (a later ``read`` reopens). Idempotent."""
-        self._fds.close()
-        self._maps.close()
+        super().close()
         with _H5PY_LOCK:
             self._h5.close()
-
-    def __enter__(self) -> H5Source:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{n}: {self.paths_taken[n]}" for n in self._fields)

@@ -7,7 +7,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-import torch
 
 from . import _manifest
 from ._io import (
@@ -17,14 +16,11 @@ from ._io import (
     PathLike,
     as_paths,
     check_file,
-    check_outs,
-    check_rows,
-    read_by_offset,
     sample_shape,
     torch_dtype,
 )
 from ._layout import Extent, Layout
-from .base import Field, Rows
+from .base import Field
 
 FieldSpec = PathLike | Sequence[PathLike] | Mapping[str, Any]
 
@@ -137,32 +133,6 @@ class RawSource(HostFileSource):
         self._where = f"RawSource({os.path.basename(paths[0])}{', ...' if len(paths) > 1 else ''})"
         self._fds = FileDescriptors(paths)
         self._maps = FileMaps(paths)
-
-    def read(self, rows: Rows, out: Mapping[str, torch.Tensor]) -> None:
-        """Write ``rows`` of every field into ``out[name][: len(rows)]``, in the order of ``rows``.
-
-        Raises:
-            IndexError: a row is outside ``[0, len(self))``.
-            ValueError: an ``out`` tensor is missing, too small, of the wrong dtype/shape or not on the host.
-            OSError: a file ended early (truncated after the source was opened).
-        """
-        runs = check_rows(rows, self._len, self._where)
-        bufs = check_outs(self._fields, out, runs.n, "cpu", self._where)
-        if runs.n == 0:
-            return
-        for name, layout in self._layouts.items():
-            read_by_offset(layout, runs, bufs[name], self._fds, self._maps, self._paths)
-
-    def close(self) -> None:
-        """Close this process's file descriptors and maps (a later ``read`` reopens them). Idempotent."""
-        self._fds.close()
-        self._maps.close()
-
-    def __enter__(self) -> RawSource:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{n}: {tuple(f.shape)} {f.dtype}" for n, f in self._fields.items())
