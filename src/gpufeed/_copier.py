@@ -73,9 +73,8 @@ class Copier:
         self.transform = transform
         self.threads = num_threads
         self.trace = trace
-        self.stager = Stager(pool.chunk_bytes, pin=stream is not None)
+        self.stager = Stager(pool.chunk_bytes)  # used only when there is a copy stream
         self._executor: ThreadPoolExecutor | None = None
-        self._consumer: torch.cuda.Stream | None = None
         # Per batch: its copy's timing events and the pinned host tensors its copies read.
         self._in_flight: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event, list[torch.Tensor]]] = (
             collections.deque())
@@ -90,7 +89,6 @@ class Copier:
     def deliver(self, raw: Any, index: int, stop: threading.Event,
                 consumer: torch.cuda.Stream | None) -> Delivered:
         state = None
-        self._consumer = consumer
         if isinstance(raw, WithState):
             raw, state = raw.batch, raw.state
         t0 = time.perf_counter()
@@ -191,7 +189,8 @@ class Copier:
         """Account the copy time of batches whose copies completed, and let go of the host tensors read."""
         while self._in_flight and (wait or self._in_flight[0][1].query()):
             start, end, _ = self._in_flight.popleft()
-            end.synchronize()
+            if wait:
+                end.synchronize()
             self.stats.add(copy_s=start.elapsed_time(end) / 1e3)
 
     def finish(self) -> None:

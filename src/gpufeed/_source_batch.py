@@ -16,7 +16,6 @@ batch is waiting for. At most one batch is read ahead into pinned memory beyond 
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import threading
 import time
@@ -149,27 +148,28 @@ class SourceBatch:
         return True
 
     def gpufeed_read(self, copier: Copier, stop: threading.Event) -> Delivered:
+        """Read this batch into the device (or host) tensors it returns; the copy stream is the calling
+        (fetch) thread's current stream."""
         fields = self.source.fields
         n = len(self.rows)
         host = copier.stream is None or getattr(self.source, "reads_to", "host") == "device"
         dev = copier.device if copier.stream is not None else torch.device("cpu")
-        with torch.cuda.stream(copier.stream) if copier.stream is not None else contextlib.nullcontext():
-            start = copier.begin() if copier.stream is not None else None
-            out = {k: torch.empty((n, *f.shape), dtype=f.dtype, device=dev) for k, f in fields.items()}
-            if host:  # the CPU path, or a source that reads straight into device memory (GDS)
-                if dev.type == "cuda":
-                    copier.stream.synchronize()  # fence: no queued copy-stream work touches these blocks
-                self._read_direct(copier, out, stop)
-            elif copier.pinned_ok():
-                try:
-                    self._read_staged(copier, out, stop)
-                except PinnedUnavailable:
-                    self.cancel()
-                    copier.pinned_ok()  # warns once
-                    self._read_pageable(copier, out, stop)
-            else:
+        start = copier.begin() if copier.stream is not None else None
+        out = {k: torch.empty((n, *f.shape), dtype=f.dtype, device=dev) for k, f in fields.items()}
+        if host:  # the CPU path, or a source that reads straight into device memory (GDS)
+            if dev.type == "cuda":
+                copier.stream.synchronize()  # fence: no queued copy-stream work touches these blocks
+            self._read_direct(copier, out, stop)
+        elif copier.pinned_ok():
+            try:
+                self._read_staged(copier, out, stop)
+            except PinnedUnavailable:
+                self.cancel()
+                copier.pinned_ok()  # warns once
                 self._read_pageable(copier, out, stop)
-            delivered = copier.seal(out, list(out.values()), start)
+        else:
+            self._read_pageable(copier, out, stop)
+        delivered = copier.seal(out, list(out.values()), start)
         copier.stats.add(bytes=n * sum(f.sample_nbytes for f in fields.values()))
         return delivered
 
