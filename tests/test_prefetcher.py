@@ -406,7 +406,8 @@ def test_not_iterable_is_a_value_error():
 
 
 def test_stats_dict_and_summary():
-    s = PrefetchStats(batches=2, bytes=2_000_000_000, wait_s=0.5, wall_s=2.0, copy_s=0.1)
+    s = PrefetchStats(batches=2, bytes=4_000_000_000, wait_s=0.5, wall_s=2.0, copy_s=0.1,
+                      timed_bytes=2_000_000_000)
     assert s.as_dict()["h2d_GBps"] == pytest.approx(20.0)
     assert s.stall_fraction == 0.25 and "INPUT-BOUND" in str(s)
 

@@ -19,6 +19,10 @@ from gpufeed.pinned_pool import PinnedPool
 from gpufeed.staging import PinnedUnavailable, Stager, warn_pageable
 from gpufeed.stats import PrefetchStats
 
+#: One batch in this many has its copies timed with CUDA events (``PrefetchStats.copy_s``): each CUDA call is
+#: time the background thread spends on every batch (docs/design.md), and a rate needs only a sample.
+TIME_EVERY = 16
+
 
 @dataclass
 class WithState:
@@ -75,9 +79,12 @@ class Copier:
         self.trace = trace
         self.stager = Stager(pool.chunk_bytes)  # used only when there is a copy stream
         self._executor: ThreadPoolExecutor | None = None
-        # Per batch: its copy's timing events and the pinned host tensors its copies read.
-        self._in_flight: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event, list[torch.Tensor]]] = (
-            collections.deque())
+        # Per timed batch or batch read from pinned host tensors: its start event (None when not timed), its
+        # end event, the pinned host tensors its copies read (kept alive until the copy completed) and the
+        # bytes it copied.
+        self._in_flight: collections.deque[
+            tuple[torch.cuda.Event | None, torch.cuda.Event, list[torch.Tensor], int]] = collections.deque()
+        self._count = 0
 
     @property
     def executor(self) -> ThreadPoolExecutor:
@@ -152,9 +159,13 @@ class Copier:
                 self.pinned_ok()
         return t.to(self.device)
 
-    def begin(self) -> torch.cuda.Event:
-        """Account the batches whose copies completed, and record the start of this batch's copies."""
+    def begin(self) -> torch.cuda.Event | None:
+        """Account the batches whose copies completed; for a timed batch, record the start of its copies."""
         self._collect()
+        timed = self._count % TIME_EVERY == 0
+        self._count += 1
+        if not timed:
+            return None
         start = torch.cuda.Event(enable_timing=True)
         start.record()
         return start
@@ -164,16 +175,19 @@ class Copier:
         """Apply the transform (on the copy stream, when called inside it) and record the batch's event.
 
         With a transform, the device tensors to fence are those of its output, whatever its structure.
+        ``start`` is :meth:`begin`'s event (None for a batch that is not timed).
         """
+        timed = 0 if start is None else sum(t.nbytes for t in fresh)
         if self.transform is not None:
             with _nvtx.range("gpufeed.transform"):
                 batch = self.transform(batch)
             fresh = [t for t in flatten(batch)[0] if t.device == self.device]
-        if start is None:
+        if self.stream is None:
             return Delivered(batch, None, fresh)
-        end = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=start is not None)
         end.record()
-        self._in_flight.append((start, end, read or []))
+        if start is not None or read:
+            self._in_flight.append((start, end, read or [], timed))
         return Delivered(batch, end, fresh)
 
     def pinned_ok(self) -> bool:
@@ -188,10 +202,11 @@ class Copier:
     def _collect(self, wait: bool = False) -> None:
         """Account the copy time of batches whose copies completed, and let go of the host tensors read."""
         while self._in_flight and (wait or self._in_flight[0][1].query()):
-            start, end, _ = self._in_flight.popleft()
+            start, end, _, nbytes = self._in_flight.popleft()
             if wait:
                 end.synchronize()
-            self.stats.add(copy_s=start.elapsed_time(end) / 1e3)
+            if start is not None:
+                self.stats.add(copy_s=start.elapsed_time(end) / 1e3, timed_bytes=nbytes)
 
     def finish(self) -> None:
         """The epoch's fetch thread is ending: account the last copies and stop the reader threads."""
