@@ -101,7 +101,7 @@ def test_duplicate_rows_are_read_twice(tmp_path):
 
 
 def test_read_plan_one_read_per_run_and_file(tmp_path):
-    from gpufeed.sources._io import check_rows
+    from gpufeed.sources._runs import check_rows
 
     x = np.arange(10, dtype=np.int32)
     x.tofile(tmp_path / "x.bin")
@@ -149,8 +149,8 @@ def test_non_contiguous_out_is_rejected(tmp_path):
 
 
 def test_scattered_rows_are_gathered_from_a_memory_map(tmp_path, monkeypatch):
-    import gpufeed.sources._io as io
-    import gpufeed.sources._layout as layout
+    import gpufeed.sources._host_source as io
+    import gpufeed.sources._runs as layout
 
     monkeypatch.setattr(layout, "MMAP_GATHER", True)  # opt-in: GPUFEED_MMAP_GATHER=1
     x = np.arange(200 * 6, dtype=np.float32).reshape(200, 6)
@@ -170,7 +170,7 @@ def test_scattered_rows_are_gathered_from_a_memory_map(tmp_path, monkeypatch):
 
 def test_scattered_rows_use_pread_by_default(tmp_path, monkeypatch):
     # A mapped file truncated under a reader kills the process with SIGBUS: the map is opt-in.
-    import gpufeed.sources._io as io
+    import gpufeed.sources._host_source as io
 
     x = np.arange(200 * 6, dtype=np.float32).reshape(200, 6)
     np.save(tmp_path / "a.npy", x)
@@ -184,7 +184,7 @@ def test_scattered_rows_use_pread_by_default(tmp_path, monkeypatch):
 
 
 def test_file_truncated_after_opening_raises_on_the_gather_path_too(tmp_path, monkeypatch):
-    import gpufeed.sources._layout as layout
+    import gpufeed.sources._runs as layout
 
     monkeypatch.setattr(layout, "MMAP_GATHER", True)
     x = np.zeros((100, 16), np.uint8)

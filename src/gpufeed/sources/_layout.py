@@ -3,98 +3,13 @@
 from __future__ import annotations
 
 import bisect
-import os
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
+from ._runs import Runs
 from .base import Field
-
-#: Opt-in fast path for shuffled batches (see ``Runs.scattered``); read once at import.
-MMAP_GATHER = os.environ.get("GPUFEED_MMAP_GATHER", "0") not in ("", "0", "false", "no")
-
-
-class Runs:
-    """The rows of one read: a single run ``one = (start, stop)`` kept in plain Python (a range: no numpy
-    at all), or an int64 array ``rows`` whose runs of consecutive rows (``starts``, ``stops``) are found
-    only when needed: the gather path for scattered rows never needs them."""
-
-    __slots__ = ("_count", "_starts", "_stops", "n", "one", "rows")
-
-    def __init__(self, rows: np.ndarray) -> None:
-        self.rows, self.one, self.n = rows, None, len(rows)
-        self._starts = self._stops = None
-        self._count = -1
-
-    @classmethod
-    def single(cls, start: int, stop: int) -> Runs:
-        runs = cls.__new__(cls)
-        runs.rows = runs._starts = runs._stops = None
-        runs.one = (start, stop) if stop > start else None
-        runs.n = max(0, stop - start)
-        runs._count = 1 if runs.one else 0
-        return runs
-
-    @property
-    def count(self) -> int:
-        """The number of runs."""
-        if self._count < 0:
-            self._count = int(np.count_nonzero(np.diff(self.rows) != 1)) + 1 if self.n else 0
-        return self._count
-
-    @property
-    def starts(self) -> np.ndarray:
-        if self._starts is None:
-            self._starts, self._stops = _run_bounds(self.rows)
-        return self._starts
-
-    @property
-    def stops(self) -> np.ndarray:
-        if self._stops is None:
-            self._starts, self._stops = _run_bounds(self.rows)
-        return self._stops
-
-    def scattered(self, row_nbytes: int) -> bool:
-        """Many short runs (a shuffled batch) and ``GPUFEED_MMAP_GATHER=1``: gather rows from a memory map
-        rather than one pread per run.
-
-        Each ``pread`` takes and drops the GIL; thousands of them from several threads spend more time
-        handing the GIL over than copying. One ``index_select`` per read copies every row with the GIL
-        released (measured: about 7x faster for 12 KiB rows). But a file truncated while it is mapped
-        kills the process with SIGBUS, where ``pread`` raises a clear OSError; so the gather is opt-in,
-        for files that nothing rewrites during training. Long runs always keep ``pread``.
-        """
-        return (MMAP_GATHER and self.rows is not None and self.count >= 8
-                and self.n * row_nbytes < self.count * (256 << 10))
-
-    def pairs(self) -> list[tuple[int, int]]:
-        if self.rows is None:
-            return [self.one] if self.one else []
-        return list(zip(self.starts.tolist(), self.stops.tolist(), strict=True))
-
-
-def row_array(rows: Any, where: str = "") -> np.ndarray:
-    """``rows`` (a range or a 1-D integer array) as an int64 array; a ValueError that says what to pass."""
-    if isinstance(rows, range):
-        return np.arange(rows.start, rows.stop, rows.step, dtype=np.int64)
-    arr = np.asarray(rows)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise ValueError(
-            f"{where + ': ' if where else ''}rows must be a range or a 1-D integer array, got shape "
-            f"{arr.shape} dtype {arr.dtype}; pass e.g. np.array([0, 5, 6], dtype=np.int64)"
-        )
-    return arr.astype(np.int64, copy=False)
-
-
-def _run_bounds(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    if rows.size == 0:
-        return rows, rows
-    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
-    starts = rows[np.concatenate(([0], breaks))]
-    stops = rows[np.concatenate((breaks - 1, [rows.size - 1]))] + 1
-    return starts, stops
-
 
 #: Reads as four parallel lists: file index, file offset, byte count, output offset.
 ReadLists = tuple[list[int], list[int], list[int], list[int]]
@@ -128,7 +43,7 @@ class Layout:
 
     Example:
         >>> lay = Layout(Field("x", (), torch.uint8), [Extent(0, 128, 10), Extent(1, 0, 5)])
-        >>> lay.byte_reads(Runs(np.array([8]), np.array([12])))  # files, file offsets, bytes, out offsets
+        >>> lay.byte_reads(Runs(np.arange(8, 12)))  # files, file offsets, bytes, out offsets
         ([0, 1], [136, 0], [2, 2], [0, 2])
     """
 

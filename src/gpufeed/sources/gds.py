@@ -11,21 +11,13 @@ import torch
 
 from gpufeed._extras import require
 
-from ._io import (
-    FileDescriptors,
-    FileMaps,
-    PathLike,
-    _PerProcess,
-    as_paths,
-    check_outs,
-    check_rows,
-    device_bytes,
-    host_bytes,
-    pread_exact,
-    read_by_offset,
-    short_read_message,
-)
+from ._files import FileDescriptors, PathLike, as_paths, pread_exact, short_read_message, source_label
+from ._gather import FileMaps
+from ._host_source import read_by_offset
 from ._layout import Layout
+from ._out_tensors import check_outs, device_bytes, host_bytes
+from ._per_process import _PerProcess
+from ._runs import check_rows
 from .base import Field, Rows
 from .h5 import H5Source
 from .raw import RawSource
@@ -109,9 +101,7 @@ class GDSSource:
         self._len = len(inner)
         self._inner_repr = repr(inner)
         self._task_size = task_size
-        self._where = (
-            f"GDSSource({os.path.basename(self._paths[0])}{', ...' if len(self._paths) > 1 else ''})"
-        )
+        self._where = source_label("GDSSource", self._paths)
         self._configure(mode, num_threads)
 
     def _configure(self, mode: str, num_threads: int | None) -> None:

@@ -15,19 +15,14 @@ import torch
 
 from gpufeed._extras import require
 
-from ._io import (
-    FileDescriptors,
-    FileMaps,
-    HostFileSource,
-    PathLike,
-    _PerProcess,
-    as_paths,
-    check_file,
-    host_bytes,
-    pread_exact,
-    torch_dtype,
-)
-from ._layout import Extent, Layout, Runs, merge_extents
+from ._files import FileDescriptors, PathLike, as_paths, check_file, pread_exact
+from ._gather import FileMaps
+from ._host_source import HostFileSource
+from ._layout import Extent, Layout, merge_extents
+from ._out_tensors import host_bytes
+from ._per_process import _PerProcess
+from ._runs import Runs
+from ._sample_type import torch_dtype
 from .base import Field
 
 # h5py serializes every call behind its own global lock anyway; ours keeps a read_direct and its

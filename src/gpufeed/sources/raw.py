@@ -9,17 +9,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _manifest
-from ._io import (
-    FileDescriptors,
-    FileMaps,
-    HostFileSource,
-    PathLike,
-    as_paths,
-    check_file,
-    sample_shape,
-    torch_dtype,
-)
+from ._files import FileDescriptors, PathLike, as_paths, check_file, source_label
+from ._gather import FileMaps
+from ._host_source import HostFileSource
 from ._layout import Extent, Layout
+from ._sample_type import sample_shape, torch_dtype
 from .base import Field
 
 FieldSpec = PathLike | Sequence[PathLike] | Mapping[str, Any]
@@ -130,7 +124,7 @@ class RawSource(HostFileSource):
         self._layouts = layouts
         self._fields = {n: lay.field for n, lay in layouts.items()}
         self._len = len(next(iter(layouts.values())))
-        self._where = f"RawSource({os.path.basename(paths[0])}{', ...' if len(paths) > 1 else ''})"
+        self._where = source_label("RawSource", paths)
         self._fds = FileDescriptors(paths)
         self._maps = FileMaps(paths)
 

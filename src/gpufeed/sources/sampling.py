@@ -10,7 +10,7 @@ from typing import Literal
 
 import numpy as np
 
-from ._layout import _run_bounds, row_array
+from ._runs import row_array, run_bounds
 from .base import Rows
 
 Shuffle = bool | Literal["blocks"]
@@ -116,7 +116,7 @@ def _runs(rows: Rows) -> tuple[np.ndarray, np.ndarray]:
     if isinstance(rows, range) and rows.step == 1:
         n = 1 if rows.stop > rows.start else 0
         return np.full(n, rows.start, dtype=np.int64), np.full(n, rows.stop, dtype=np.int64)
-    return _run_bounds(row_array(rows))
+    return run_bounds(row_array(rows))
 
 
 def _check_args(n, b, shuffle, drop_last, seed, epoch, rank, world_size, pad) -> None:

@@ -1,0 +1,92 @@
+"""The files a source reads: paths checked up front, per-process descriptors, and positional reads whose
+errors name the file."""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Sequence
+
+from ._per_process import _PerProcess
+
+PathLike = str | os.PathLike
+
+
+def as_paths(paths: PathLike | Sequence[PathLike], what: str) -> list[str]:
+    """One path or a non-empty sequence of paths, as strings."""
+    if isinstance(paths, (str, os.PathLike)):
+        return [os.fspath(paths)]
+    try:
+        out = [os.fspath(p) for p in paths]
+    except TypeError as exc:
+        raise ValueError(f"{what}: expected a path or a list of paths, got {paths!r}") from exc
+    if not out:
+        raise ValueError(f"{what}: got an empty list of paths; pass at least one file")
+    return out
+
+
+def check_file(path: str, what: str) -> int:
+    """Size of the regular file at ``path``; FileNotFoundError naming it when it is missing."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what}: no such file: {path}") from None
+    if not os.path.isfile(path):
+        raise ValueError(f"{what}: {path} is not a regular file")
+    return st.st_size
+
+
+def source_label(kind: str, paths: Sequence[str]) -> str:
+    """How a source names itself in errors: its class and first file, e.g. ``RawSource(x.npy, ...)``."""
+    return f"{kind}({os.path.basename(paths[0])}{', ...' if len(paths) > 1 else ''})"
+
+
+class FileDescriptors(_PerProcess):
+    """Read-only OS file descriptors, for ``os.preadv`` (positional, so one fd serves every thread)."""
+
+    def _open(self, path: str) -> int:
+        try:
+            return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise OSError(exc.errno, f"cannot open {path}: too many open files (this process keeps one "
+                              "descriptor per source file); raise the limit (ulimit -n, or "
+                              "resource.setrlimit(RLIMIT_NOFILE)) or concatenate the files "
+                              "(gpufeed convert)") from exc
+            raise
+
+    def _close(self, handle: int) -> None:
+        os.close(handle)
+
+    def _after_fork(self) -> None:
+        # The child's copies of the parent's fds are its own: closing them does not touch the parent's.
+        handles = self._handles
+        self._reset()
+        for fd in handles:
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+def pread_exact(fd: int, buf: memoryview, offset: int, path: str) -> None:
+    """Fill ``buf`` from ``offset`` of the file; a read that ends early raises OSError."""
+    want = len(buf)
+    done = 0
+    while done < want:
+        try:
+            got = os.preadv(fd, [buf[done:]], offset + done)
+        except OSError as exc:  # the OS names no file: name it (e.g. a file replaced by a directory)
+            raise type(exc)(exc.errno, f"{exc.strerror} (reading {want} bytes at offset {offset})",
+                            path) from exc
+        if got <= 0:
+            raise OSError(short_read_message(path, offset, want, done))
+        done += got
+
+
+def short_read_message(path: str, offset: int, want: int, got: int) -> str:
+    return (
+        f"short read from {path}: expected {want} bytes at offset {offset}, got {got}; the file is "
+        "shorter than when the source was opened (truncated or rewritten?): recreate the source"
+    )

@@ -1,0 +1,78 @@
+"""The memory-map gather: scattered rows copied out of a mapping of each file in one ``index_select``.
+
+Opt-in: a file truncated while it is mapped kills the process with SIGBUS when a page past its new end
+is touched, where a positional read raises a clear OSError.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import warnings
+
+import numpy as np
+import torch
+
+from ._files import short_read_message
+from ._per_process import _PerProcess
+
+
+class FileMaps(_PerProcess):
+    """Read-only memory maps of whole files, opened lazily per process, for gathering scattered rows."""
+
+    def _open(self, path: str) -> _Map | None:
+        with open(path, "rb") as fh:
+            if os.fstat(fh.fileno()).st_size == 0:
+                return None
+            return _Map(mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ))
+
+    def _close(self, handle: _Map | None) -> None:
+        pass  # the mapping goes with the last tensor over it
+
+
+class _Map:
+    """One file's mapping as a flat uint8 tensor, and "row" views of it per row size (built once)."""
+
+    def __init__(self, m: mmap.mmap) -> None:
+        self.mmap = m
+        with warnings.catch_warnings():  # a read-only buffer: the tensor is only ever read
+            warnings.simplefilter("ignore", UserWarning)
+            self.flat = torch.frombuffer(m, dtype=torch.uint8)
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def rows(self, row_nbytes: int) -> torch.Tensor:
+        """A view whose row ``j`` is bytes ``j .. j + row_nbytes`` of the file (rows overlap)."""
+        view = self._rows.get(row_nbytes)
+        if view is None:
+            n = self.flat.numel() - row_nbytes + 1
+            view = self._rows[row_nbytes] = self.flat.as_strided((n, row_nbytes), (1, 1))
+        return view
+
+
+def gather_rows(
+    maps: FileMaps, files: int | np.ndarray, offsets: np.ndarray, row_nbytes: int, out: torch.Tensor
+) -> None:
+    """Copy the ``row_nbytes`` at ``offsets[i]`` of file ``files[i]`` (or of file ``files``) into ``out[i]``.
+
+    ``out`` is an ``(n, row_nbytes)`` uint8 tensor. One ``index_select`` per file: the copy runs in C with
+    the GIL released, and few torch calls are made (each one hands the GIL over, which costs a lot when
+    many reader threads want it).
+    """
+    if not isinstance(files, np.ndarray):
+        _gather_file(maps, files, offsets, row_nbytes, out)
+        return
+    for f in np.unique(files).tolist():
+        pos = np.flatnonzero(files == f)
+        part = torch.empty((len(pos), row_nbytes), dtype=torch.uint8)
+        _gather_file(maps, f, offsets[pos], row_nbytes, part)
+        out.index_copy_(0, torch.from_numpy(pos), part)
+
+
+def _gather_file(maps: FileMaps, i: int, offsets: np.ndarray, row_nbytes: int, out: torch.Tensor) -> None:
+    m = maps.get(i)
+    last = int(offsets.max())
+    # Check against the file as it is now: touching a mapped page past its end kills the process (SIGBUS).
+    size = min(m.mmap.size(), m.flat.numel()) if m is not None else 0
+    if last + row_nbytes > size:
+        raise OSError(short_read_message(maps.paths[i], last, row_nbytes, max(0, size - last)))
+    torch.index_select(m.rows(row_nbytes), 0, torch.from_numpy(offsets), out=out)

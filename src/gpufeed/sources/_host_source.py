@@ -1,0 +1,91 @@
+"""HostFileSource: what RawSource and H5Source share, reading rows by byte offset into host memory."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Literal
+
+import torch
+
+from ._files import FileDescriptors, pread_exact
+from ._gather import FileMaps, gather_rows
+from ._layout import Layout
+from ._out_tensors import check_outs, host_bytes, rows_bytes
+from ._runs import Runs, check_rows
+from .base import Field, Rows
+
+
+class HostFileSource:
+    """What RawSource and H5Source share: their fields, files and length, positional reads into host
+    memory, ``close`` and the context manager."""
+
+    _fields: dict[str, Field]
+    _layouts: dict[str, Layout]
+    _paths: list[str]
+    _len: int
+    _where: str
+    _fds: FileDescriptors
+    _maps: FileMaps
+
+    def read(self, rows: Rows, out: Mapping[str, torch.Tensor]) -> None:
+        """Write ``rows`` of every field into ``out[name][: len(rows)]``, in the order of ``rows``.
+
+        Raises:
+            IndexError: a row is outside ``[0, len(self))``.
+            ValueError: an ``out`` tensor is missing, too small, of the wrong dtype/shape or not on the host.
+            OSError: a file ended early (changed after the source was opened), or a read failed; the
+                message names the file.
+        """
+        runs = check_rows(rows, self._len, self._where)
+        bufs = check_outs(self._fields, out, runs.n, "cpu", self._where)
+        if runs.n == 0:
+            return
+        for name, layout in self._layouts.items():
+            self._read_field(layout, runs, bufs[name])
+
+    def _read_field(self, layout: Layout, runs: Runs, t: torch.Tensor) -> None:
+        read_by_offset(layout, runs, t, self._fds, self._maps, self._paths)
+
+    def close(self) -> None:
+        """Close this process's file descriptors and maps (a later ``read`` reopens them). Idempotent."""
+        self._fds.close()
+        self._maps.close()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def fields(self) -> Mapping[str, Field]:
+        """The fields, by name."""
+        return MappingProxyType(self._fields)
+
+    @property
+    def reads_to(self) -> Literal["host"]:
+        """Always ``"host"``: reads land in host memory (pinned, when the prefetcher owns it)."""
+        return "host"
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The files the source reads, in sample order."""
+        return tuple(self._paths)
+
+    def __len__(self) -> int:
+        return self._len
+
+
+def read_by_offset(
+    layout: Layout, runs: Runs, t: torch.Tensor, fds: FileDescriptors, maps: FileMaps, paths: Sequence[str]
+) -> None:
+    """Read ``runs`` of an all-by-offset layout into host tensor ``t``: a memory-map gather for scattered
+    rows (see ``Runs.scattered``), else one ``os.preadv`` per run (straight into ``t``'s memory)."""
+    rn = layout.row_nbytes
+    if runs.scattered(rn):
+        gather_rows(maps, *layout.row_offsets(runs.rows), rn, rows_bytes(t, runs.n, rn))
+        return
+    mv = host_bytes(t, runs.n * rn)
+    for f, fo, nb, oo in zip(*layout.byte_reads(runs), strict=True):
+        pread_exact(fds.get(f), mv[oo : oo + nb], fo, paths[f])
