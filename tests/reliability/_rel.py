@@ -73,9 +73,9 @@ class OnDisk:
         self.early_file: Path  # holds the first rows of field x: read (and so opened) by the first batch
         getattr(self, "_write_" + kind.replace("-", "_"))()
 
-    def open(self) -> Any:
-        """A new source object over the files."""
-        return self._open()
+    def open(self, **kw: Any) -> Any:
+        """A new source object over the files; ``kw`` goes to its constructor (e.g. ``mmap_gather``)."""
+        return self._open(**kw)
 
     # one writer per kind; each sets _open, early_file and late_file
     def _write_raw(self) -> None:
@@ -84,9 +84,9 @@ class OnDisk:
         d["y"].tofile(self.root / "y.bin")
         np.save(self.root / "w.npy", d["w"])
         self.early_file = self.late_file = self.root / "x.npy"
-        self._open = lambda: RawSource(fields={"x": self.root / "x.npy",
-                                               "y": {"paths": self.root / "y.bin", "dtype": "int64"},
-                                               "w": self.root / "w.npy"})
+        self._open = lambda **kw: RawSource(fields={"x": self.root / "x.npy",
+                                                    "y": {"paths": self.root / "y.bin", "dtype": "int64"},
+                                                    "w": self.root / "w.npy"}, **kw)
 
     def _write_raw_multi(self) -> None:
         d, n = self.data, self.n
@@ -101,9 +101,9 @@ class OnDisk:
             ws.append(self.root / f"w{i}.f32")
             d["w"][a:b].tofile(ws[-1])
         self.early_file, self.late_file = xs[0], xs[-1]
-        self._open = lambda: RawSource(fields={
+        self._open = lambda **kw: RawSource(fields={
             "x": xs, "y": {"paths": self.root / "y.bin", "dtype": "int64", "offset": 8},
-            "w": {"paths": ws, "dtype": "float32", "shape": (3,)}})
+            "w": {"paths": ws, "dtype": "float32", "shape": (3,)}}, **kw)
 
     def _write_manifest(self) -> None:
         from gpufeed.convert import convert_h5_to_raw
@@ -111,7 +111,7 @@ class OnDisk:
         self._h5(self.root / "in.h5", {})
         manifest = convert_h5_to_raw(self.root / "in.h5", self.root / "raw", align=1)
         self.early_file = self.late_file = manifest.parent / "x.bin"
-        self._open = lambda: RawSource(manifest)
+        self._open = lambda **kw: RawSource(manifest, **kw)
 
     def _write_h5_contiguous(self) -> None:
         self._h5_kind({})
@@ -130,7 +130,7 @@ class OnDisk:
         path = self.root / "data.h5"
         self._h5(path, kw)
         self.early_file = self.late_file = path
-        self._open = lambda: H5Source(path, fields=["x", "y", "w"])
+        self._open = lambda **kw: H5Source(path, fields=["x", "y", "w"], **kw)
 
     def _h5(self, path: Path, kw: dict) -> None:
         import h5py

@@ -193,7 +193,7 @@ def _wait_read_ahead(it, depth, timeout=10.0):
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "h5-gzip"])
 def test_source_file_truncated_between_shuffled_batches(kind, gather, tmp_path):
     """Shuffled batches, read with positional reads or gathered from a memory map (the opt-in
-    ``GPUFEED_MMAP_GATHER=1``): a file truncated while no read is in flight gives a clean OSError naming
+    ``mmap_gather=True``): a file truncated while no read is in flight gives a clean OSError naming
     the file. (Truncated *during* a gather, the process dies of SIGBUS: finding 1 of docs/reliability.md;
     each case runs in a forked child so that could not take pytest down.)"""
     if kind not in ("raw", "raw-multi"):
@@ -204,12 +204,9 @@ def test_source_file_truncated_between_shuffled_batches(kind, gather, tmp_path):
     seen = tmp_path / "child-saw.txt"  # what the child saw, for the failure message
 
     def child():
-        import gpufeed.sources._layout as layout
-
-        if hasattr(layout, "MMAP_GATHER"):  # read at import: set it in this child only
-            layout.MMAP_GATHER = gather
         got = []
-        with CudaPrefetcher(disk.open(), device="cpu", batch_size=BS, shuffle=True, depth=2) as pf:
+        with CudaPrefetcher(disk.open(mmap_gather=gather), device="cpu", batch_size=BS, shuffle=True,
+                            depth=2) as pf:
             it = iter(pf)
             got += [keep(next(it)) for _ in range(3)]
             _wait_read_ahead(it, 2)  # the thread has read its 2 batches ahead and waits: no read in flight

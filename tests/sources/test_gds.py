@@ -58,6 +58,16 @@ def test_bad_arguments(tmp_path):
         GDSSource(tmp_path / "x.npy", num_threads=0)
     with pytest.raises(ValueError, match="extra arguments"):
         GDSSource(RawSource(tmp_path / "x.npy"), "float32")
+    with pytest.raises(ValueError, match="mmap_gather must be True or False"):
+        GDSSource(tmp_path / "x.npy", mmap_gather="yes")
+
+
+def test_mmap_gather_does_not_apply_to_reads_into_device_memory(tmp_path):
+    np.save(tmp_path / "x.npy", _images(4))
+    with pytest.raises(ValueError, match=r"mmap_gather applies to reads into host memory.*mode='compat'"):
+        GDSSource(tmp_path / "x.npy", mode="gds", mmap_gather=True)
+    with pytest.raises(ValueError, match=r"mmap_gather applies"):  # the setting of the source given
+        GDSSource(RawSource(tmp_path / "x.npy", mmap_gather=True), mode="gds")
 
 
 # ---- on the GPU machine ------------------------------------------------------------------------------

@@ -115,6 +115,40 @@ class TestH5ForcedH5py(SourceContract):
         return src, data
 
 
+class TestH5MixedGather(SourceContract):
+    """mmap_gather over a contiguous, a chunked and a gzip field: the gzip field keeps h5py."""
+
+    def make_source(self, tmp_path):
+        data = _data(61)
+        _write(tmp_path / "a.h5", data, y={"chunks": (8,)}, w={"chunks": (8, 4), "compression": "gzip"})
+        src = H5Source(tmp_path / "a.h5", fields=["x", "y", "w"], mmap_gather=True)
+        assert dict(src.paths_taken) == {"x": "contiguous", "y": "chunked", "w": "h5py"}
+        return src, data
+
+
+def test_mmap_gather_gathers_shuffled_rows_of_fields_read_by_offset(tmp_path, monkeypatch):
+    import gpufeed.sources._host_source as host
+
+    data = _data(300)
+    _write(tmp_path / "a.h5", data, w={"chunks": (8, 4), "compression": "gzip"})
+    calls = []
+    real = host.gather_rows
+    monkeypatch.setattr(host, "gather_rows", lambda *a: (calls.append(a[3]), real(*a)))
+    rows = np.sort(np.random.default_rng(0).choice(300, 50, replace=False))
+    for gather, want in ((False, []), (True, [15, 8])):  # row bytes of x and y; w (gzip) keeps h5py
+        src = H5Source(tmp_path / "a.h5", fields=["x", "y", "w"], mmap_gather=gather)
+        out = {n: torch.empty(50, *a.shape[1:], dtype=torch.from_numpy(a).dtype) for n, a in data.items()}
+        src.read(rows, out)
+        assert src.mmap_gather is gather and calls == want
+        assert all(np.array_equal(out[n].numpy(), a[rows]) for n, a in data.items())
+
+
+def test_mmap_gather_with_nothing_read_by_offset_raises(tmp_path):
+    _write(tmp_path / "a.h5", _data(10))
+    with pytest.raises(ValueError, match=r"mmap_gather=True applies to fields read by byte offset"):
+        H5Source(tmp_path / "a.h5", use_offsets=False, mmap_gather=True)
+
+
 def test_describe_names_each_path_and_reason(tmp_path):
     data = _data(20)
     _write(tmp_path / "a.h5", {"x": data["x"]})

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -21,6 +23,13 @@ class TestRawNpy(SourceContract):
         x = _images(57)
         np.save(tmp_path / "x.npy", x)
         return RawSource(tmp_path / "x.npy"), {"x": x}
+
+
+class TestRawNpyGather(SourceContract):
+    def make_source(self, tmp_path):
+        x = _images(57)
+        np.save(tmp_path / "x.npy", x)
+        return RawSource(tmp_path / "x.npy", mmap_gather=True), {"x": x}
 
 
 class TestRawNpyScalars(SourceContract):
@@ -148,18 +157,23 @@ def test_non_contiguous_out_is_rejected(tmp_path):
         src.read(range(4), {"x": torch.empty(2, 4).t()})
 
 
-def test_scattered_rows_are_gathered_from_a_memory_map(tmp_path, monkeypatch):
-    import gpufeed.sources._host_source as io
-    import gpufeed.sources._runs as layout
+def _count_gathers(monkeypatch):
+    """Rows per call of the memory-map gather, recorded as the reads go through it."""
+    import gpufeed.sources._host_source as host
 
-    monkeypatch.setattr(layout, "MMAP_GATHER", True)  # opt-in: GPUFEED_MMAP_GATHER=1
+    calls = []
+    real = host.gather_rows
+    monkeypatch.setattr(host, "gather_rows", lambda *a: (calls.append(len(a[2])), real(*a)))
+    return calls
+
+
+def test_scattered_rows_are_gathered_from_a_memory_map(tmp_path, monkeypatch):
     x = np.arange(200 * 6, dtype=np.float32).reshape(200, 6)
     np.save(tmp_path / "a.npy", x[:90])
     np.save(tmp_path / "b.npy", x[90:])
-    calls = []
-    real = io.gather_rows
-    monkeypatch.setattr(io, "gather_rows", lambda *a: (calls.append(len(a[1])), real(*a)))
-    src = RawSource([tmp_path / "a.npy", tmp_path / "b.npy"])
+    calls = _count_gathers(monkeypatch)
+    src = RawSource([tmp_path / "a.npy", tmp_path / "b.npy"], mmap_gather=True)
+    assert src.mmap_gather
     rows = np.sort(np.random.default_rng(0).choice(200, 40, replace=False))
     out = {"x": torch.empty(40, 6)}
     src.read(rows, out)
@@ -170,26 +184,36 @@ def test_scattered_rows_are_gathered_from_a_memory_map(tmp_path, monkeypatch):
 
 def test_scattered_rows_use_pread_by_default(tmp_path, monkeypatch):
     # A mapped file truncated under a reader kills the process with SIGBUS: the map is opt-in.
-    import gpufeed.sources._host_source as io
-
     x = np.arange(200 * 6, dtype=np.float32).reshape(200, 6)
     np.save(tmp_path / "a.npy", x)
-    calls = []
-    monkeypatch.setattr(io, "gather_rows", lambda *a: calls.append(a))
-    src = RawSource(tmp_path / "a.npy")
+    calls = _count_gathers(monkeypatch)
     rows = np.sort(np.random.default_rng(0).choice(200, 40, replace=False))
     out = {"x": torch.empty(40, 6)}
-    src.read(rows, out)
-    assert calls == [] and np.array_equal(out["x"].numpy(), x[rows])
+    for src in (RawSource(tmp_path / "a.npy"), RawSource(tmp_path / "a.npy", mmap_gather=False)):
+        assert not src.mmap_gather
+        src.read(rows, out)
+        assert calls == [] and np.array_equal(out["x"].numpy(), x[rows])
 
 
-def test_file_truncated_after_opening_raises_on_the_gather_path_too(tmp_path, monkeypatch):
-    import gpufeed.sources._runs as layout
+def test_the_environment_does_not_turn_the_gather_on(tmp_path):
+    # The gather is an argument: no environment variable read at import changes a source's reads.
+    np.save(tmp_path / "x.npy", np.zeros((4, 2), np.float32))
+    code = f"from gpufeed.sources import RawSource; print(RawSource({str(tmp_path / 'x.npy')!r}).mmap_gather)"
+    env = {**os.environ, "GPUFEED_MMAP_GATHER": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "False"
 
-    monkeypatch.setattr(layout, "MMAP_GATHER", True)
+
+def test_mmap_gather_takes_true_or_false(tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros((4, 2), np.float32))
+    with pytest.raises(ValueError, match=r"RawSource: mmap_gather must be True or False, got 'yes'"):
+        RawSource(tmp_path / "x.npy", mmap_gather="yes")
+
+
+def test_file_truncated_after_opening_raises_on_the_gather_path_too(tmp_path):
     x = np.zeros((100, 16), np.uint8)
     np.save(tmp_path / "x.npy", x)
-    src = RawSource(tmp_path / "x.npy")
+    src = RawSource(tmp_path / "x.npy", mmap_gather=True)
     rows = np.arange(0, 100, 3)
     src.read(rows, {"x": torch.empty(len(rows), 16, dtype=torch.uint8)})  # maps the file
     os.truncate(tmp_path / "x.npy", os.path.getsize(tmp_path / "x.npy") - 40)

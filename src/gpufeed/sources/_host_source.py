@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import torch
 
-from ._files import FileDescriptors, pread_exact
+from ._files import FileDescriptors, pread_exact, source_label
 from ._gather import FileMaps, gather_rows
 from ._layout import Layout
 from ._out_tensors import check_outs, host_bytes, rows_bytes
@@ -18,7 +18,11 @@ from .base import Field, Rows
 
 class HostFileSource:
     """What RawSource and H5Source share: their fields, files and length, positional reads into host
-    memory, ``close`` and the context manager."""
+    memory, the opt-in memory-map gather, ``close`` and the context manager.
+
+    Invariant: ``_maps`` is ``None`` unless the source was made with ``mmap_gather=True``; only then does
+    a read touch a memory map (see ``read_by_offset``), so by default no file is ever mapped.
+    """
 
     _fields: dict[str, Field]
     _layouts: dict[str, Layout]
@@ -26,7 +30,19 @@ class HostFileSource:
     _len: int
     _where: str
     _fds: FileDescriptors
-    _maps: FileMaps
+    _maps: FileMaps | None
+
+    def _open_files(self, kind: str, paths: list[str], mmap_gather: bool) -> None:
+        """Set the files of the source: their descriptors, and memory maps when ``mmap_gather``."""
+        self._paths = paths
+        self._where = source_label(kind, paths)
+        self._fds = FileDescriptors(paths)
+        self._maps = FileMaps(paths) if gather_flag(mmap_gather, kind) else None
+
+    @property
+    def mmap_gather(self) -> bool:
+        """Whether shuffled batches of short rows are gathered from memory maps (``mmap_gather=``)."""
+        return self._maps is not None
 
     def read(self, rows: Rows, out: Mapping[str, torch.Tensor]) -> None:
         """Write ``rows`` of every field into ``out[name][: len(rows)]``, in the order of ``rows``.
@@ -50,7 +66,8 @@ class HostFileSource:
     def close(self) -> None:
         """Close this process's file descriptors and maps (a later ``read`` reopens them). Idempotent."""
         self._fds.close()
-        self._maps.close()
+        if self._maps is not None:
+            self._maps.close()
 
     def __enter__(self) -> Any:
         return self
@@ -78,14 +95,23 @@ class HostFileSource:
 
 
 def read_by_offset(
-    layout: Layout, runs: Runs, t: torch.Tensor, fds: FileDescriptors, maps: FileMaps, paths: Sequence[str]
+    layout: Layout, runs: Runs, t: torch.Tensor, fds: FileDescriptors, maps: FileMaps | None,
+    paths: Sequence[str],
 ) -> None:
-    """Read ``runs`` of an all-by-offset layout into host tensor ``t``: a memory-map gather for scattered
-    rows (see ``Runs.scattered``), else one ``os.preadv`` per run (straight into ``t``'s memory)."""
+    """Read ``runs`` of an all-by-offset layout into host tensor ``t``: with ``maps`` (the opt-in), a
+    memory-map gather for scattered rows (see ``Runs.scattered``); else one ``os.preadv`` per run,
+    straight into ``t``'s memory."""
     rn = layout.row_nbytes
-    if runs.scattered(rn):
+    if maps is not None and runs.scattered(rn):
         gather_rows(maps, *layout.row_offsets(runs.rows), rn, rows_bytes(t, runs.n, rn))
         return
     mv = host_bytes(t, runs.n * rn)
     for f, fo, nb, oo in zip(*layout.byte_reads(runs), strict=True):
         pread_exact(fds.get(f), mv[oo : oo + nb], fo, paths[f])
+
+
+def gather_flag(mmap_gather: object, where: str) -> bool:
+    """The ``mmap_gather`` argument, checked: ``True`` or ``False``."""
+    if not isinstance(mmap_gather, bool):
+        raise ValueError(f"{where}: mmap_gather must be True or False, got {mmap_gather!r}")
+    return mmap_gather

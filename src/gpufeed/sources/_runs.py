@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
 from .base import Rows
-
-#: Opt-in fast path for shuffled batches (see ``Runs.scattered``); read once at import.
-MMAP_GATHER = os.environ.get("GPUFEED_MMAP_GATHER", "0") not in ("", "0", "false", "no")
 
 
 class Runs:
@@ -54,16 +50,14 @@ class Runs:
         return self._stops
 
     def scattered(self, row_nbytes: int) -> bool:
-        """Many short runs (a shuffled batch) and ``GPUFEED_MMAP_GATHER=1``: gather rows from a memory map
-        rather than one pread per run.
+        """Many short runs (a shuffled batch): a source made with ``mmap_gather=True`` gathers these rows
+        from a memory map rather than issuing one pread per run.
 
         Each ``pread`` takes and drops the GIL; thousands of them from several threads spend more time
-        handing the GIL over than copying. One ``index_select`` per read copies every row with the GIL
-        released (measured: about 7x faster for 12 KiB rows). But a file truncated while it is mapped
-        kills the process with SIGBUS, where ``pread`` raises a clear OSError; so the gather is opt-in,
-        for files that nothing rewrites during training. Long runs always keep ``pread``.
+        handing the GIL over than copying, where one ``index_select`` per read copies every row with the
+        GIL released. Long runs always keep ``pread``: they take few calls, so the hand-over costs little.
         """
-        return (MMAP_GATHER and self.rows is not None and self.count >= 8
+        return (self.rows is not None and self.count >= 8
                 and self.n * row_nbytes < self.count * (256 << 10))
 
     def pairs(self) -> list[tuple[int, int]]:

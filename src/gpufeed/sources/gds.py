@@ -13,7 +13,7 @@ from gpufeed._extras import require
 
 from ._files import FileDescriptors, PathLike, as_paths, pread_exact, short_read_message, source_label
 from ._gather import FileMaps
-from ._host_source import read_by_offset
+from ._host_source import gather_flag, read_by_offset
 from ._layout import Layout
 from ._out_tensors import check_outs, device_bytes, host_bytes
 from ._per_process import _PerProcess
@@ -65,10 +65,16 @@ class GDSSource:
         num_threads: kvikio's thread pool size (a process-wide kvikio setting). ``None`` keeps the
             current one unless it is 1 (kvikio's default), which is raised to ``min(16, cpu count)``.
         task_size: bytes per kvikio task (``None``: kvikio's default).
+        mmap_gather: in ``"compat"`` mode, gather shuffled batches from memory maps as ``RawSource`` does
+            (opt-in: a file truncated while mapped kills the process with SIGBUS). ``None``: the setting
+            of the source given (off for a source built from paths). ``"gds"`` mode reads into device
+            memory, where no gather applies: ``mode="gds"`` with the gather on raises ValueError, and
+            ``mode="auto"`` that finds GPUDirect Storage reads without it.
 
     Raises:
         ImportError: kvikio is not installed (``pip install 'gpufeed[gds]'``).
-        ValueError: a field cannot be read by byte offset (names it, the file and the fix).
+        ValueError: a field cannot be read by byte offset (names it, the file and the fix), or
+            ``mmap_gather`` is on with ``mode="gds"``.
         RuntimeError: ``mode="gds"`` where GDS is unavailable.
 
     Example:
@@ -87,6 +93,7 @@ class GDSSource:
         mode: Literal["auto", "gds", "compat"] = "auto",
         num_threads: int | None = None,
         task_size: int | None = None,
+        mmap_gather: bool | None = None,
         **kwargs: Any,
     ) -> None:
         if mode not in ("auto", "gds", "compat"):
@@ -94,6 +101,11 @@ class GDSSource:
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
             raise ValueError(f"GDSSource: num_threads must be an int >= 1, got {num_threads!r}")
         inner = _inner(source, args, kwargs)
+        gather = inner.mmap_gather if mmap_gather is None else mmap_gather
+        self._mmap_gather = gather_flag(gather, "GDSSource")
+        if self._mmap_gather and mode == "gds":
+            raise ValueError("GDSSource: mmap_gather applies to reads into host memory (compat mode) and "
+                             "mode='gds' reads into device memory; pass mode='compat', or leave it off")
         self._layouts: dict[str, Layout] = dict(inner._layouts)
         self._paths: list[str] = list(inner._paths)
         _check_offsets(inner, self._layouts, self._paths)
@@ -126,7 +138,7 @@ class GDSSource:
         self._small = int(self._task_size or defaults.get("task_size")) if self._mode == "compat" else 0
         self._files = _CuFiles(self._paths)
         self._fds = FileDescriptors(self._paths)
-        self._maps = FileMaps(self._paths)
+        self._maps = FileMaps(self._paths) if self._mmap_gather and self._mode == "compat" else None
 
     @property
     def fields(self) -> Mapping[str, Field]:
@@ -142,6 +154,11 @@ class GDSSource:
     def reads_to(self) -> Literal["host", "device"]:
         """``"device"`` in ``"gds"`` mode, ``"host"`` in ``"compat"`` mode."""
         return "device" if self._mode == "gds" else "host"
+
+    @property
+    def mmap_gather(self) -> bool:
+        """Whether shuffled batches are gathered from memory maps (compat mode with ``mmap_gather``)."""
+        return self._maps is not None
 
     @property
     def num_threads(self) -> int:
@@ -186,7 +203,7 @@ class GDSSource:
             for name, layout in self._layouts.items():
                 nbytes = runs.n * layout.row_nbytes
                 t = bufs[name]
-                if device_type == "cpu" and runs.scattered(layout.row_nbytes):  # as RawSource does
+                if self._maps is not None and runs.scattered(layout.row_nbytes):  # as RawSource does
                     read_by_offset(layout, runs, t, self._fds, self._maps, paths)
                     continue
                 buf: Any = device_bytes(t, nbytes) if device_type == "cuda" else host_bytes(t, nbytes)
@@ -222,7 +239,8 @@ class GDSSource:
         """Close this process's kvikio and OS file handles (a later ``read`` reopens them). Idempotent."""
         self._files.close()
         self._fds.close()
-        self._maps.close()
+        if self._maps is not None:
+            self._maps.close()
 
     def __enter__(self) -> GDSSource:
         return self

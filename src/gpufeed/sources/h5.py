@@ -15,8 +15,7 @@ import torch
 
 from gpufeed._extras import require
 
-from ._files import FileDescriptors, PathLike, as_paths, check_file, pread_exact
-from ._gather import FileMaps
+from ._files import PathLike, as_paths, check_file, pread_exact
 from ._host_source import HostFileSource
 from ._layout import Extent, Layout, merge_extents
 from ._out_tensors import host_bytes
@@ -80,6 +79,10 @@ class H5Source(HostFileSource):
         fields: dataset names (``["images", "labels"]``; a name like ``"grp/x"`` becomes field
             ``"grp/x"``), or ``{field name: dataset path}``. ``None``: every dataset of the first file.
         use_offsets: ``False`` reads everything through h5py (for comparison and debugging).
+        mmap_gather: gather shuffled batches from memory maps, as for ``RawSource`` (opt-in: a file
+            truncated while mapped kills the process with SIGBUS). It applies to the fields read by byte
+            offset in every file; fields read through h5py keep h5py. ValueError when no field is read by
+            byte offset (``describe()`` says why).
 
     Raises:
         FileNotFoundError: a file is missing.
@@ -103,6 +106,7 @@ class H5Source(HostFileSource):
         fields: Sequence[str] | Mapping[str, str] | None = None,
         *,
         use_offsets: bool = True,
+        mmap_gather: bool = False,
     ) -> None:
         h5py = require("h5py", "H5Source")
         self._paths = as_paths(paths, "H5Source")
@@ -124,9 +128,10 @@ class H5Source(HostFileSource):
             for name in names
         }
         self._len = len(next(iter(self._layouts.values())))
-        self._where = f"H5Source({os.path.basename(self._paths[0])}{', ...' if len(self._paths) > 1 else ''})"
-        self._fds = FileDescriptors(self._paths)
-        self._maps = FileMaps(self._paths)
+        if mmap_gather is True and not any(lay.by_offset for lay in self._layouts.values()):
+            raise ValueError("H5Source: mmap_gather=True applies to fields read by byte offset, and every "
+                             "field here is read through h5py (see describe()); leave mmap_gather off")
+        self._open_files("H5Source", self._paths, mmap_gather)
         self._h5 = _H5Files(self._paths)
 
     @property

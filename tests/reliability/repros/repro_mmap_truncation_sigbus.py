@@ -1,8 +1,8 @@
 """A file truncated while shuffled batches are read kills the process with SIGBUS (no exception).
 
 For scattered rows (a shuffled batch: ``Runs.scattered``) RawSource/H5Source/GDSSource gather rows from
-a memory map of the file (``sources/_io.py``: ``_gather_file``; since the fix only when opted in with
-``GPUFEED_MMAP_GATHER=1``). It checks the file's size and then runs
+a memory map of the file (``sources/_gather.py``: ``_gather_file``; since the fix only when opted in with
+``mmap_gather=True``). It checks the file's size and then runs
 ``torch.index_select`` over the mapping; if the file shrinks between the check and the copy (or during the
 copy), touching a page past the new end raises SIGBUS and the whole training process dies: no OSError,
 no traceback, no cleanup. The ``pread`` path (contiguous batches) reports the same event as
@@ -34,11 +34,7 @@ from gpufeed.sources import RawSource
 
 
 def child(path: str, n: int, row: int, gather: bool) -> None:
-    if gather:
-        import gpufeed.sources._layout as layout
-
-        layout.MMAP_GATHER = True  # what GPUFEED_MMAP_GATHER=1 sets at import (a no-op before the fix)
-    src = RawSource(path)
+    src = RawSource(path, mmap_gather=gather)
 
     def reader(seed: int) -> None:
         rng = np.random.default_rng(seed)
