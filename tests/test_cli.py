@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -405,14 +406,17 @@ def mixed_h5(tmp_path):
     return path
 
 
+#: gzip chunks are decoded on the GPU where CUDA and nvCOMP are, else by reader threads.
+GZIP_ON_GPU = torch.cuda.is_available() and importlib.util.find_spec("nvidia.libnvcomp") is not None
 EXPECTED_PATHS = {
     "/x": ("contiguous", "byte-offset pread (contiguous)"),
     "/y": ("contiguous", "byte-offset pread (contiguous)"),
     "/grp/z": ("contiguous", "byte-offset pread (contiguous)"),
     "/chunked": ("chunked (10, 8)", "chunk-index pread (uncompressed chunked)"),
     "/split": ("chunked (10, 4)", "h5py read_direct (chunks split a sample)"),
-    "/gz": ("compressed(shuffle, gzip)", "h5py read_direct (gzip-compressed)"),
-    "/lzf": ("compressed(lzf)", "h5py read_direct (lzf-compressed)"),
+    "/gz": ("compressed(shuffle, gzip)", "chunk-index pread + GPU inflate (nvCOMP)" if GZIP_ON_GPU
+            else "chunk-index pread + threaded inflate (zlib)"),
+    "/lzf": ("compressed(lzf)", "h5py read_direct (lzf: gpufeed does not decode these filters)"),
     "/text": ("contiguous", "unsupported: vlen strings"),
     "/big": ("contiguous", "h5py read_direct (big-endian)"),
     "/scalar": ("contiguous", "unsupported: scalar (no sample axis)"),
@@ -456,7 +460,9 @@ def test_inspect_hdf5_without_sources_infers_from_metadata(mixed_h5, capsys, mon
     monkeypatch.setattr(_cli_inspect, "_import_source", lambda name: None)
     assert main(["inspect", "--json", str(mixed_h5)]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert {d["name"]: (d["layout"], d["read_path"]) for d in doc["datasets"]} == EXPECTED_PATHS
+    from_metadata = {**EXPECTED_PATHS, "/gz": ("compressed(shuffle, gzip)",
+                                               "chunk-index pread + gpufeed inflate (GPU or threads)")}
+    assert {d["name"]: (d["layout"], d["read_path"]) for d in doc["datasets"]} == from_metadata
     assert main(["inspect", str(mixed_h5)]) == 0
     note = "note: read paths inferred from metadata; gpufeed.sources is not importable here"
     assert note in capsys.readouterr().out

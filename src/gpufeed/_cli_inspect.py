@@ -22,6 +22,11 @@ NPY_MAGIC = b"\x93NUMPY"
 PATH_CONTIGUOUS = "byte-offset pread (contiguous)"
 PATH_CHUNKED = "chunk-index pread (uncompressed chunked)"
 PATH_RAW = "byte-offset pread (raw samples)"
+PATH_GZIP_GPU = "chunk-index pread + GPU inflate (nvCOMP)"
+PATH_GZIP_CPU = "chunk-index pread + threaded inflate (zlib)"
+PATH_GZIP = "chunk-index pread + gpufeed inflate (GPU or threads)"  # metadata alone cannot tell which
+#: Filter pipelines gpufeed decodes itself (h5_chunks.DECODABLE, by the names users know).
+_DECODABLE = (["gzip"], ["shuffle", "gzip"])
 
 # HDF5 filter names as HDF5 registers them -> the names users know (h5py's compression= values).
 _FILTER_NAMES = {"deflate": "gzip", "szip": "szip", "lzf": "lzf", "shuffle": "shuffle",
@@ -176,8 +181,10 @@ def _expected_path(dset: Any, code: int, filters: list[str]) -> str:
     if code == 1:
         return PATH_CONTIGUOUS if dset.id.get_offset() is not None else "h5py read_direct (not allocated)"
     compressors = [f for f in filters if f not in _NOT_COMPRESSION]
+    if filters in _DECODABLE:
+        return PATH_GZIP
     if compressors:
-        return f"h5py read_direct ({'+'.join(compressors)}-compressed)"
+        return f"h5py read_direct ({'+'.join(filters)}: gpufeed does not decode these filters)"
     if filters:
         return f"h5py read_direct (filtered: {', '.join(filters)})"
     if tuple(dset.chunks[1:]) != tuple(dset.shape[1:]):
@@ -209,6 +216,8 @@ def _ask_h5source(h5source: Any, path: str, d: dict[str, Any]) -> None:
         d["read_path"] = PATH_CONTIGUOUS
     elif kind == "chunked":
         d["read_path"] = PATH_CHUNKED
+    elif kind in ("gzip-gpu", "gzip-cpu"):
+        d["read_path"] = PATH_GZIP_GPU if kind == "gzip-gpu" else PATH_GZIP_CPU
     elif not d["read_path"].startswith("h5py"):  # metadata looked fast, H5Source found a reason not to
         d["read_path"] = "h5py read_direct (see why)"
     d["supported"] = True

@@ -12,6 +12,7 @@ _EXTRA_OF = {
     "nvtx": "nvtx",
     "torchdata": "resume",
     "matplotlib": "dev",
+    "nvidia.libnvcomp": "nvcomp",  # a namespace package: looked up by its full name
 }
 
 
@@ -28,7 +29,7 @@ def require(module: str, what: str = "") -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        extra = _EXTRA_OF.get(module.split(".")[0])
+        extra = _EXTRA_OF.get(module) or _EXTRA_OF.get(module.split(".")[0])
         need = f"{what} needs {module}" if what else f"{module} is not installed"
         hint = f"pip install 'gpufeed[{extra}]'" if extra else f"pip install {module}"
         raise ImportError(f"{need}; install it with: {hint}") from exc

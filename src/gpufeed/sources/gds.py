@@ -301,7 +301,7 @@ def _check_offsets(inner: RawSource | H5Source, layouts: Mapping[str, Layout], p
         ext = next(e for e in layout.extents if e.offset < 0)
         reason = ""
         if isinstance(inner, H5Source):
-            reason = next((r for p, k, r in inner._how[name] if k == "h5py"), "")
+            reason = next((r for p, k, r in inner._how[name] if k not in ("contiguous", "chunked")), "")
         raise ValueError(
             f"GDSSource: field '{name}' in {paths[ext.file]} cannot be read by byte offset ({reason}); "
             "use H5Source for it, or convert once with convert_h5_to_raw(...) and read the manifest "

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dc_field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -16,13 +16,16 @@ import torch
 from gpufeed._extras import require
 
 from ._files import PathLike, as_paths, check_file, pread_exact
+from ._gpu_inflate import decode_stream, inflate_rows, use_gpu
 from ._host_source import HostFileSource
 from ._layout import Extent, Layout, merge_extents
-from ._out_tensors import host_bytes
+from ._out_tensors import check_outs, host_bytes
 from ._per_process import _PerProcess
-from ._runs import Runs
+from ._runs import Runs, check_rows
 from ._sample_type import torch_dtype
-from .base import Field
+from .base import Field, Rows
+from .h5_chunks import ChunkTable, chunk_table, read_rows
+from .h5_chunks import describe as describe_chunks
 
 # h5py serializes every call behind its own global lock anyway; ours keeps a read_direct and its
 # dataset lookup together and documents that the h5py path is single-threaded.
@@ -49,9 +52,10 @@ class _Found:
 
     field: Field
     rows: int
-    kind: str  # "contiguous" | "chunked" | "h5py"
+    kind: str  # "contiguous" | "chunked" | "gzip" | "h5py"
     reason: str
     extents: list[Extent] = dc_field(default_factory=list)
+    table: ChunkTable | None = None  # kind "gzip": where its chunks are
 
 
 class H5Source(HostFileSource):
@@ -63,9 +67,14 @@ class H5Source(HostFileSource):
       the output tensors. No h5py in the hot path, so reads run in parallel on many threads.
     * **chunked, uncompressed** datasets whose chunks span whole samples (chunks split only the first
       axis): by byte offset too, from the chunk table (``get_chunk_info`` / ``chunk_iter``).
-    * anything else (gzip or other filters, chunks that split a sample, unallocated storage, big-endian
-      data, compact layout): through h5py's ``read_direct`` into the output, under one lock; HDF5 then
-      does the work on one thread at a time.
+    * **chunked, gzip** (deflate, alone or after the shuffle filter) datasets: each chunk's compressed
+      bytes are read by offset and decoded by gpufeed, once per read that touches the chunk. On the GPU
+      (``reads_to == "device"``: CUDA and nvCOMP, ``pip install 'gpufeed[nvcomp]'``) only the compressed
+      bytes cross the link and nVCOMP inflates them into the output on a stream of the read; otherwise
+      reader threads inflate with zlib, in parallel (zlib releases the GIL).
+    * anything else (other filters: lzf, szip, blosc, fletcher32, ...; chunks that split a sample when
+      uncompressed, unallocated storage, big-endian data, compact layout): through h5py's ``read_direct``
+      into the output, under one lock; HDF5 then does the work on one thread at a time.
 
     ``describe()`` and ``paths_taken`` say which path each field takes and why. Several files are
     concatenated along samples; each file must hold the same number of samples in every field.
@@ -79,6 +88,10 @@ class H5Source(HostFileSource):
         fields: dataset names (``["images", "labels"]``; a name like ``"grp/x"`` becomes field
             ``"grp/x"``), or ``{field name: dataset path}``. ``None``: every dataset of the first file.
         use_offsets: ``False`` reads everything through h5py (for comparison and debugging).
+        decode: where gzip chunks are decoded: ``"auto"`` (the GPU when CUDA and nvCOMP are there),
+            ``"gpu"`` (the same, said out loud) or ``"cpu"`` (reader threads). A missing nvCOMP (or CUDA, for
+            ``"gpu"``) warns once and decodes on the CPU. With GPU decoding the source reads to the device:
+            its other fields are read into pinned memory and copied by the read itself.
         mmap_gather: gather shuffled batches from memory maps, as for ``RawSource`` (opt-in: a file
             truncated while mapped kills the process with SIGBUS). It applies to the fields read by byte
             offset in every file; fields read through h5py keep h5py. ValueError when no field is read by
@@ -98,7 +111,6 @@ class H5Source(HostFileSource):
     """
 
     picklable = True
-    fork_safe = True
 
     def __init__(
         self,
@@ -107,8 +119,11 @@ class H5Source(HostFileSource):
         *,
         use_offsets: bool = True,
         mmap_gather: bool = False,
+        decode: str = "auto",
     ) -> None:
         h5py = require("h5py", "H5Source")
+        if decode not in ("auto", "gpu", "cpu"):
+            raise ValueError(f"H5Source: decode must be 'auto', 'gpu' or 'cpu', got {decode!r}")
         self._paths = as_paths(paths, "H5Source")
         for p in self._paths:
             check_file(p, "H5Source")
@@ -133,14 +148,28 @@ class H5Source(HostFileSource):
                              "field here is read through h5py (see describe()); leave mmap_gather off")
         self._open_files("H5Source", self._paths, mmap_gather)
         self._h5 = _H5Files(self._paths)
+        self._tables = {(i, ff[n].extents[0].dataset): ff[n].table
+                        for i, ff in enumerate(found) for n in names if ff[n].table is not None}
+        self._gpu = bool(self._tables) and use_gpu(decode, "H5Source")
+
+    @property
+    def reads_to(self) -> Literal["host", "device"]:  # type: ignore[override]
+        """``"device"`` when gzip chunks are decoded on the GPU (see ``decode``), else ``"host"``."""
+        return "device" if self._gpu else "host"
+
+    @property
+    def fork_safe(self) -> bool:
+        """A forked child can read (it cannot use CUDA: not when the source decodes on the GPU)."""
+        return not self._gpu
 
     @property
     def paths_taken(self) -> Mapping[str, str]:
-        """Per field: ``"contiguous"`` or ``"chunked"`` (by byte offset), ``"h5py"``, or ``"mixed"``
+        """Per field: ``"contiguous"`` or ``"chunked"`` (by byte offset), ``"gzip-gpu"`` or ``"gzip-cpu"``
+        (chunks read by offset, decoded on the GPU or by reader threads), ``"h5py"``, or ``"mixed"``
         when the files differ (see ``describe()``)."""
         out = {}
         for name, how in self._how.items():
-            kinds = {kind for _, kind, _ in how}
+            kinds = {self._kind(kind) for _, kind, _ in how}
             out[name] = kinds.pop() if len(kinds) == 1 else "mixed"
         return MappingProxyType(out)
 
@@ -149,21 +178,115 @@ class H5Source(HostFileSource):
         lines = []
         for name, f in self._fields.items():
             lines.append(f"field '{name}' {tuple(f.shape)} {f.dtype}, {self._len} samples")
-            lines += [f"  {os.path.basename(p)}: {reason}" for p, _, reason in self._how[name]]
+            lines += [f"  {os.path.basename(p)}: {self._reason(k, why)}" for p, k, why in self._how[name]]
         return "\n".join(lines)
+
+    def _kind(self, kind: str) -> str:
+        return (f"gzip-{'gpu' if self._gpu else 'cpu'}") if kind == "gzip" else kind
+
+    def _reason(self, kind: str, reason: str) -> str:
+        if kind != "gzip":
+            return reason
+        where = "on the GPU with nvCOMP" if self._gpu else "by reader threads with zlib"
+        return f"{self._kind(kind)}: {reason}; chunks read by byte offset, decoded {where}"
+
+    def read(self, rows: Rows, out: Mapping[str, torch.Tensor]) -> None:
+        """Write ``rows`` of every field into ``out[name][: len(rows)]``, in the order of ``rows``.
+
+        ``out`` lives on the host, or on a CUDA device when the source decodes on the GPU (host ``out``
+        tensors are accepted then too: the CPU decodes). A device read runs on a stream of its own,
+        after the caller's current stream, and returns once every byte is in place.
+
+        Raises:
+            IndexError: a row is outside ``[0, len(self))``.
+            ValueError: an ``out`` tensor is missing, too small, of the wrong dtype/shape or device.
+            OSError: a file ended early or a read failed; the message names the file.
+            CorruptChunkError: (an OSError) a gzip chunk does not decode; the message names the file, the
+                dataset and the chunk.
+        """
+        if not self._gpu or not any(isinstance(t, torch.Tensor) and t.is_cuda for t in out.values()):
+            super().read(rows, out)
+            return
+        runs = check_rows(rows, self._len, self._where)
+        bufs = check_outs(self._fields, out, runs.n, "cuda", self._where)
+        if runs.n == 0:
+            return
+        pending = []
+        with decode_stream(next(iter(bufs.values())).device) as stream:
+            for name, layout in self._layouts.items():
+                pending += self._read_to_device(layout, runs, bufs[name][: runs.n], stream.cuda_stream)
+        for p in pending:  # the stream is synchronized: the checks' results are in
+            p.check()
+
+    def _read_to_device(self, layout: Layout, runs: Runs, t: torch.Tensor, stream: int) -> list[Any]:
+        """One field into device tensor ``t``: rows not decoded here go through pinned host memory and one
+        copy, then gzip chunks are decoded over them (same stream, so in that order)."""
+        groups = self._decoded_rows(layout, runs)
+        if sum(len(rows) for _, rows, _ in groups.values()) < runs.n:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            if layout.by_offset:
+                super()._read_field(layout, runs, host)
+            else:
+                self._read_mixed(layout, runs, host, decode=False)
+            t.copy_(host, non_blocking=True)
+        if not groups:
+            return []
+        from . import _nvcomp
+
+        nv = _nvcomp.load()
+        table0 = next(iter(groups.values()))[0]
+        out = t.reshape(-1).view(torch.uint8).view(runs.n, *table0.sample_byte_shape())
+        return [inflate_rows(nv, table, self._fds.get(f), rows, pos, out, stream)
+                for (f, _), (table, rows, pos) in groups.items()]
 
     def _read_field(self, layout: Layout, runs: Runs, t: torch.Tensor) -> None:
         if layout.by_offset:
             super()._read_field(layout, runs, t)
-        else:  # some extents are read through h5py (chunked or compressed): see _read_mixed
-            self._read_mixed(layout, runs.pairs(), t[: runs.n], host_bytes(t, runs.n * layout.row_nbytes))
+        else:  # some extents are decoded here or read through h5py: see _read_mixed
+            self._read_mixed(layout, runs, t[: runs.n])
 
-    def _read_mixed(
+    def _decoded_rows(self, layout: Layout, runs: Runs) -> dict[tuple[int, str], tuple[ChunkTable, Any, Any]]:
+        """Per gzip dataset ``(file, dataset)``: its table, the dataset rows of this read in it and their
+        output rows. Grouped so that a read decodes each chunk once, however many runs touch it."""
+        if not self._tables or layout.by_offset:
+            return {}
+        ext = layout.extents[0]
+        table = self._tables.get((ext.file, ext.dataset))
+        if len(layout.extents) == 1:  # the usual case: one file
+            if table is None:
+                return {}
+            rows = runs.rows if runs.rows is not None else np.arange(*runs.one, dtype=np.int64)
+            return {(ext.file, ext.dataset): (table, rows + ext.row0, np.arange(runs.n, dtype=np.int64))}
+        parts: dict[tuple[int, str], tuple[ChunkTable, list[Any], list[Any]]] = {}
+        for ext, r, k, o in layout.split(runs.pairs()):
+            table = self._tables.get((ext.file, ext.dataset)) if ext.offset < 0 else None
+            if table is not None:
+                _, rows, pos = parts.setdefault((ext.file, ext.dataset), (table, [], []))
+                rows.append(np.arange(ext.row0 + r, ext.row0 + r + k, dtype=np.int64))
+                pos.append(np.arange(o, o + k, dtype=np.int64))
+        return {key: (tab, np.concatenate(rs), np.concatenate(ps)) for key, (tab, rs, ps) in parts.items()}
+
+    def _read_mixed(self, layout: Layout, runs: Runs, t: torch.Tensor, decode: bool = True) -> None:
+        """Rows of extents read by offset or through h5py, then (``decode``) those of gzip datasets."""
+        groups = self._decoded_rows(layout, runs)
+        if sum(len(rows) for _, rows, _ in groups.values()) < runs.n:
+            self._read_plain(layout, runs.pairs(), t, host_bytes(t, runs.n * layout.row_nbytes))
+        if decode and groups:
+            table0 = next(iter(groups.values()))[0]
+            out = np.frombuffer(host_bytes(t, runs.n * layout.row_nbytes), dtype=np.uint8)
+            out = out.reshape(runs.n, *table0.sample_byte_shape())
+            for (f, _), (table, rows, pos) in groups.items():
+                read_rows(table, self._fds.get(f), rows, pos, out)
+
+    def _read_plain(
         self, layout: Layout, runs: list[tuple[int, int]], t: torch.Tensor, mv: memoryview
     ) -> None:
+        """The runs of extents read by byte offset or through h5py (gzip extents are skipped)."""
         arr = t.numpy()
         rn = layout.row_nbytes
         for ext, r, k, o in layout.split(runs):
+            if ext.offset < 0 and (ext.file, ext.dataset) in self._tables:
+                continue
             if ext.offset >= 0:
                 dest = mv[o * rn : (o + k) * rn]
                 pread_exact(self._fds.get(ext.file), dest, ext.offset + r * rn, self._paths[ext.file])
@@ -274,9 +397,16 @@ def _inspect(
     field = _field(h5py, dset, ds, where)
     rows = int(dset.shape[0])
     kind, reason, extents = _choose(dset, dcpl, field, rows, file_index, use_offsets)
-    if kind == "h5py":
+    table = None
+    if kind == "filtered":
+        found = chunk_table(dset, path)
+        if isinstance(found, str):
+            kind, reason = "h5py", f"h5py: {found}"
+        else:
+            kind, reason, table = "gzip", describe_chunks(found), found
+    if kind in ("h5py", "gzip"):
         extents = [Extent(file_index, -1, rows, 0, dset.name)]
-    return _Found(field, rows, kind, reason, extents)
+    return _Found(field, rows, kind, reason, extents, table)
 
 
 def _field(h5py: Any, dset: Any, ds: str, where: str) -> Field:
@@ -324,9 +454,8 @@ def _choose(dset, dcpl, field: Field, rows: int, file_index: int, use_offsets: b
 def _choose_chunked(dset, dcpl, field: Field, rows: int, file_index: int):
     h5d = dset.id
     nfilters = dcpl.get_nfilters()
-    if nfilters:
-        names = ", ".join(dcpl.get_filter(i)[3].decode(errors="replace") for i in range(nfilters))
-        return "h5py", f"h5py: filters {names} (HDF5 decodes the chunks)", []
+    if nfilters:  # _inspect asks h5_chunks whether gpufeed decodes these filters
+        return "filtered", "", []
     chunks = tuple(dset.chunks)
     if chunks[1:] != tuple(dset.shape[1:]):
         return (
