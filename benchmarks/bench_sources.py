@@ -7,8 +7,10 @@ Run it on the GPU machine, in one process (a few minutes; it writes about 6.5 Gi
 
 Data, written once into ``--data-dir`` (a temporary folder by default, removed afterwards): ``--gib`` of
 uint8 samples of shape (3, 64, 64) as ``x.npy``, the same bytes as a contiguous and a chunked (about 1 MiB
-chunks, uncompressed) dataset of ``data.h5``, and ``--gzip-gib`` of compressible samples as a gzip
-(level 1) dataset of ``gzip.h5``. Every method delivers the whole dataset in order, as ``--batch-mib``
+chunks, uncompressed) dataset of ``data.h5``, and ``--gzip-gib`` of compressible samples in ``gzip.h5``
+twice: as a gzip (level 1) uint8 dataset and as a shuffle+gzip (level 1) uint16 one (the same bytes; the
+shuffle filter only matters for elements of several bytes). Their rows report the compression ratio.
+Every method delivers the whole dataset in order, as ``--batch-mib``
 batches on the device; it runs once to warm up and check the first and last batch byte for byte, then
 ``--reps`` timed epochs, and the figure is the median ``GBps`` (bytes / wall time, up to a device
 synchronize after the last batch).
@@ -22,6 +24,9 @@ Methods:
 * ``h5py_read_direct_pinned``: ``dset.read_direct`` into two pinned buffers, ``non_blocking`` copies.
 * ``gpufeed_raw`` / ``gpufeed_h5`` / ``gpufeed_gds``: ``CudaPrefetcher(source, batch_size=.., depth=3)`` with
   ``RawSource``, ``H5Source`` and ``GDSSource`` (its ``mode`` is reported).
+* ``gpufeed_h5_threads`` / ``gpufeed_h5_gpu`` (gzip workloads): ``H5Source(decode="cpu")``, reader threads
+  inflating chunks with zlib, and ``H5Source(decode="gpu")``, compressed chunks copied to the GPU and
+  inflated there by nvCOMP (skipped without CUDA or ``gpufeed[nvcomp]``). GB/s count decoded bytes.
 
 ``frac_of_ceiling`` divides by the ``pread16_ceiling`` of the same cache state. Cold rows drop the files from
 the page cache before each epoch (``posix_fadvise DONTNEED`` per file, and ``/proc/sys/vm/drop_caches``
@@ -79,6 +84,13 @@ TARGETS = (
         0.9,
     ),
     ("HDF5 contiguous -> GPU: gpufeed_h5 >= 5 x h5py_slice_to", "h5_contiguous", "warm", "gpufeed_h5", 5.0),
+    ("HDF5 gzip -> GPU: gpufeed_h5_gpu >= 5 x h5py_slice_to", "h5_gzip", "warm", "gpufeed_h5_gpu", 5.0),
+    ("HDF5 shuffle+gzip -> GPU: gpufeed_h5_gpu >= 5 x h5py_slice_to", "h5_gzip_shuffle", "warm",
+     "gpufeed_h5_gpu", 5.0),
+    ("HDF5 gzip, CPU threads: gpufeed_h5_threads >= 4 x h5py_slice_to", "h5_gzip", "warm",
+     "gpufeed_h5_threads", 4.0),
+    ("HDF5 shuffle+gzip, CPU threads: gpufeed_h5_threads >= 4 x h5py_slice_to", "h5_gzip_shuffle", "warm",
+     "gpufeed_h5_threads", 4.0),
     ("cold disk -> GPU: gpufeed_raw >= 0.9 x pread16_ceiling (cold)", "raw", "cold", "gpufeed_raw", 0.9),
 )
 
@@ -174,6 +186,8 @@ class Data:
         self.chunk_rows = max(1, MiB // cfg.sample_bytes)
 
     def rows(self, kind: str, a: int, b: int) -> np.ndarray:
+        if kind == "gzip16":  # the gzip bytes as uint16 elements (the shuffle+gzip dataset)
+            return self.rows("gzip", a, b).view(np.uint16)
         idx = np.arange(a, b)
         base = self._gz if kind == "gzip" else self._base
         tag = (idx // self.block % 251).astype(np.uint8).reshape(-1, *([1] * len(self.cfg.sample)))
@@ -207,9 +221,14 @@ class Data:
                 compression="gzip",
                 compression_opts=1,
             )
+            shape16 = (*cfg.sample[:-1], cfg.sample[-1] // 2)
+            gz16 = f.create_dataset("gzip_shuffle", (cfg.gzip_rows, *shape16), "<u2",
+                                    chunks=(self.chunk_rows, *shape16), compression="gzip",
+                                    compression_opts=1, shuffle=True)
             for a in range(0, cfg.gzip_rows, self.block):
                 b = min(cfg.gzip_rows, a + self.block)
                 gz[a:b] = self.rows("gzip", a, b)
+                gz16[a:b] = self.rows("gzip16", a, b)
         os.sync()
         return time.perf_counter() - t0
 
@@ -543,17 +562,14 @@ def run(cfg: Config, data: Data) -> dict[str, Any]:
             h5py_read_direct_pinned(cfg, data.h5, "contiguous", cfg.rows),
             files=h5_files,
         )
-        for name, path, kind, n in (
-            ("chunked", data.h5, "raw", cfg.rows),
-            ("gzip", data.h5gz, "gzip", cfg.gzip_rows),
-        ):
-            w = f"h5_{name}"
-            add(w, "h5py_slice_to", h5py_slice_to(cfg, path, name, n), kind=kind, n=n, files=(path,))
-            add(w, "h5py_read_direct_pinned", h5py_read_direct_pinned(cfg, path, name, n), kind=kind, n=n)
-            g = Gpufeed(cfg, H5Source(path, fields=[name]))
-            add(w, "gpufeed_h5", g, kind=kind, n=n, files=(path,))
-            rows[-1]["h5_path"] = g.source.paths_taken[name]
-            g.close()
+        n, path = cfg.rows, data.h5
+        add("h5_chunked", "h5py_slice_to", h5py_slice_to(cfg, path, "chunked", n), files=(path,))
+        add("h5_chunked", "h5py_read_direct_pinned", h5py_read_direct_pinned(cfg, path, "chunked", n))
+        g = Gpufeed(cfg, H5Source(path, fields=["chunked"]))
+        add("h5_chunked", "gpufeed_h5", g, files=(path,))
+        rows[-1]["h5_path"] = g.source.paths_taken["chunked"]
+        g.close()
+        rows += gzip_rows(cfg, data, add, rows)
         for method, make in makers.items():
             if make is None:
                 continue
@@ -564,6 +580,49 @@ def run(cfg: Config, data: Data) -> dict[str, Any]:
         rows += compute_rows(cfg, data, rows, makers)
     _fill_fractions(rows)
     return _doc(cfg, data, rows, gds_note)
+
+
+def gzip_rows(cfg: Config, data: Data, add: Callable[..., None], rows: list[dict[str, Any]]) -> list:
+    """The gzip and shuffle+gzip workloads: h5py slicing, gpufeed's CPU threads and its GPU decode (added to
+    ``rows`` by ``add``); returns the rows of methods that cannot run here, marked skipped."""
+    import h5py
+
+    path, n, skipped = data.h5gz, cfg.gzip_rows, []
+    gpu_note = _gzip_gpu_note(cfg)
+    for name, kind in (("gzip", "gzip"), ("gzip_shuffle", "gzip16")):
+        w = f"h5_{name}"
+        with h5py.File(path, "r") as f:
+            ratio = f[name].nbytes / max(1, f[name].id.get_storage_size())
+        start = len(rows)
+        add(w, "h5py_slice_to", h5py_slice_to(cfg, path, name, n), kind=kind, n=n, files=(path,))
+        if name == "gzip":  # read_direct fills uint8 buffers: the uint8 dataset only
+            add(w, "h5py_read_direct_pinned", h5py_read_direct_pinned(cfg, path, name, n), kind=kind, n=n)
+        for method, decode in (("gpufeed_h5_threads", "cpu"), ("gpufeed_h5_gpu", "gpu")):
+            if decode == "gpu" and gpu_note:
+                skipped.append({"workload": w, "method": method, "cache": "warm", "skipped": gpu_note,
+                                "compression_ratio": ratio})
+                _print_row(skipped[-1])
+                continue
+            g = Gpufeed(cfg, H5Source(path, fields=[name], decode=decode))
+            add(w, method, g, kind=kind, n=n, files=(path,))
+            rows[-1]["h5_path"] = g.source.paths_taken[name]
+            g.close()
+        for r in rows[start:]:
+            r["compression_ratio"] = ratio
+    return skipped
+
+
+def _gzip_gpu_note(cfg: Config) -> str:
+    """Why gzip chunks cannot be decoded on the GPU here, or ``""``."""
+    if not cfg.cuda:
+        return "needs CUDA"
+    try:
+        from gpufeed.sources import _nvcomp
+
+        _nvcomp.load()
+    except ImportError as exc:
+        return str(exc)
+    return ""
 
 
 def _gds(cfg: Config, data: Data) -> tuple[Callable[[], GDSSource] | None, str]:
@@ -655,7 +714,7 @@ def _doc(cfg: Config, data: Data, rows: list[dict[str, Any]], gds_note: str) -> 
 
     targets = []
     for text, workload, cache, method, want in TARGETS:
-        base = "h5py_slice_to" if "5 x" in text else "pread16_ceiling"
+        base = "h5py_slice_to" if "h5py_slice_to" in text else "pread16_ceiling"
         got, ref = gbps(workload, cache, method), gbps(workload, cache, base)
         value = got / ref if got and ref else None
         targets.append({"target": text, "value": value, "met": value is not None and value >= want})
@@ -703,6 +762,9 @@ def markdown(doc: dict[str, Any]) -> str:
         notes = r.get("error") or r.get("skipped") or ""
         if "h5_path" in r:
             notes = f"H5Source path: {r['h5_path']}"
+        if "compression_ratio" in r:
+            notes = f"{notes}; " if notes else ""
+            notes += f"compression ratio {r['compression_ratio']:.2f}"
         if "step_over_compute" in r:
             notes = f"step / compute = {r['step_over_compute']:.3f}"
         gbps = f"{r['GBps']:.2f}" if "GBps" in r else "-"

@@ -36,7 +36,10 @@ def test_bench_sources_smoke(tmp_path: Path) -> None:
         ("h5_contiguous", "warm", "h5py_slice_to"),
         ("h5_contiguous", "warm", "h5py_read_direct_pinned"),
         ("h5_chunked", "warm", "gpufeed_h5"),
-        ("h5_gzip", "warm", "gpufeed_h5"),
+        ("h5_gzip", "warm", "h5py_slice_to"),
+        ("h5_gzip", "warm", "gpufeed_h5_threads"),
+        ("h5_gzip_shuffle", "warm", "h5py_slice_to"),
+        ("h5_gzip_shuffle", "warm", "gpufeed_h5_threads"),
         ("raw_shuffled", "warm", "gpufeed_raw"),
         ("raw", "cold", "gpufeed_raw"),
     ]:
@@ -45,6 +48,9 @@ def test_bench_sources_smoke(tmp_path: Path) -> None:
         assert row["GBps"] > 0 and row["frac_of_ceiling"] > 0
         assert row["verified"] in (True, None), f"{key} delivered wrong bytes"
     assert rows[("h5_chunked", "warm", "gpufeed_h5")]["h5_path"] == "chunked"
-    assert rows[("h5_gzip", "warm", "gpufeed_h5")]["h5_path"] == "h5py"
+    for w in ("h5_gzip", "h5_gzip_shuffle"):
+        assert rows[(w, "warm", "gpufeed_h5_threads")]["h5_path"] == "gzip-cpu"
+        assert rows[(w, "warm", "gpufeed_h5_threads")]["compression_ratio"] > 1.5
+        assert "skipped" in rows[(w, "warm", "gpufeed_h5_gpu")]  # no CUDA here
     assert "skipped" in rows[("raw", "warm", "gpufeed_gds")]
     assert len(doc["targets"]) == len(bench.TARGETS)
