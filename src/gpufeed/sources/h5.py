@@ -94,8 +94,8 @@ class H5Source(HostFileSource):
             its other fields are read into pinned memory and copied by the read itself.
         mmap_gather: gather shuffled batches from memory maps, as for ``RawSource`` (opt-in: a file
             truncated while mapped kills the process with SIGBUS). It applies to the fields read by byte
-            offset in every file; fields read through h5py keep h5py. ValueError when no field is read by
-            byte offset (``describe()`` says why).
+            offset in every file; the others (gzip chunks decoded here, h5py) keep their path. ValueError
+            when no field is read by byte offset (``describe()`` says how each one is read).
 
     Raises:
         FileNotFoundError: a file is missing.
@@ -144,8 +144,8 @@ class H5Source(HostFileSource):
         }
         self._len = len(next(iter(self._layouts.values())))
         if mmap_gather is True and not any(lay.by_offset for lay in self._layouts.values()):
-            raise ValueError("H5Source: mmap_gather=True applies to fields read by byte offset, and every "
-                             "field here is read through h5py (see describe()); leave mmap_gather off")
+            raise ValueError("H5Source: mmap_gather=True applies to fields read by byte offset, and no field "
+                             "here is (describe() says how each is read); leave mmap_gather off")
         self._open_files("H5Source", self._paths, mmap_gather)
         self._h5 = _H5Files(self._paths)
         self._tables = {(i, ff[n].extents[0].dataset): ff[n].table
