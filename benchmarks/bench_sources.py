@@ -68,7 +68,7 @@ try:
 except ImportError:  # a checkout without an install: run the working tree's src/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import gpufeed
-from gpufeed import CudaPrefetcher
+from gpufeed import CudaPrefetcher, SourceLoader
 from gpufeed.sources import GDSSource, H5Source, RawSource
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -411,9 +411,8 @@ class Gpufeed:
 
     def __init__(self, cfg: Config, source: Any, shuffle: bool = False) -> None:
         self.source = source
-        self.pf = CudaPrefetcher(
-            source, device=cfg.device, depth=3, batch_size=cfg.batch_rows, shuffle=shuffle
-        )
+        self.pf = CudaPrefetcher(SourceLoader(source, batch_size=cfg.batch_rows, shuffle=shuffle),
+                                 device=cfg.device, depth=3)
         self.name = next(iter(source.fields))
 
     def __call__(self) -> Iterator[torch.Tensor]:

@@ -67,7 +67,7 @@ try:
 except ImportError:  # a checkout without an install: run the working tree's src/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import gpufeed
-from gpufeed import CudaPrefetcher, convert_h5_to_raw
+from gpufeed import CudaPrefetcher, SourceLoader, convert_h5_to_raw
 from gpufeed.sources import GDSSource, H5Source, RawSource
 
 MiB = 1 << 20
@@ -451,7 +451,7 @@ def gpufeed_dataloader(cfg: Config, path: Path) -> Method:
 
 
 def _source_method(cfg: Config, name: str, source: Any, files: list[Path], notes: str) -> Method:
-    pf = CudaPrefetcher(source, device=cfg.device, depth=cfg.depth, batch_size=cfg.batch_size)
+    pf = CudaPrefetcher(SourceLoader(source, batch_size=cfg.batch_size), device=cfg.device, depth=cfg.depth)
     return Method(name, _pairs(pf), files, pf, notes=notes, closers=[source.close])
 
 

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from gpufeed import CudaPrefetcher
+from gpufeed import CudaPrefetcher, SourceLoader
 from gpufeed.sources import RawSource
 
 CLASSES = 10
@@ -111,7 +111,8 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device,
     previous = None
     # device=None: gpufeed takes the rank's current CUDA device (set by init_process_group); --cpu: cpu.
     want = None if device.type == "cuda" else "cpu"
-    with CudaPrefetcher(source, device=want, batch_size=args.batch_size, shuffle=True, seed=0) as pf:
+    with CudaPrefetcher(SourceLoader(source, batch_size=args.batch_size, shuffle=True, seed=0),
+                        device=want) as pf:
         if not agree(pf.device == device, device):
             print(f"FAIL: rank {rank}: gpufeed picked {pf.device}, the rank's device is {device}", flush=True)
             return 1

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from gpufeed import CudaPrefetcher
+from gpufeed import CudaPrefetcher, SourceLoader
 
 
 def write_example(path: str, samples: int, features: int) -> None:
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         source, which = open_source(str(manifest), device)
         print(f"reading with {which}", flush=True)
         rows = 0
-        with CudaPrefetcher(source, device=device, batch_size=args.batch_size, depth=2) as pf:
+        with CudaPrefetcher(SourceLoader(source, batch_size=args.batch_size), device=device, depth=2) as pf:
             for batch in pf:  # in order here; pass shuffle=True for training
                 rows += next(iter(batch.values())).shape[0]
             print(pf.stats.summary())

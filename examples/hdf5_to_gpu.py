@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from gpufeed import CudaPrefetcher
+from gpufeed import CudaPrefetcher, SourceLoader
 
 
 def write_example(path: str, samples: int, features: int) -> None:
@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         fields = args.fields or ["x", "y"]
         with H5Source(path, fields=fields) as source:
             print(source.describe())  # which read path each field takes, and why
-            pf = CudaPrefetcher(source, device=device, batch_size=args.batch_size, shuffle=True, depth=2)
+            pf = CudaPrefetcher(SourceLoader(source, batch_size=args.batch_size, shuffle=True),
+                                device=device, depth=2)
             with pf:
                 for epoch in range(args.epochs):
                     t0, rows, ysum = time.perf_counter(), 0, 0

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpufeed import CudaPrefetcher
+from gpufeed import CudaPrefetcher, SourceLoader
 from gpufeed.sources import RawSource
 
 try:
@@ -72,8 +72,8 @@ def build(args: argparse.Namespace, data: Path) -> tuple[Any, Any]:
 
         def train_dataloader(self) -> CudaPrefetcher:
             source = RawSource(fields={k: data / f"{k}.npy" for k in ("x", "label", "y")})
-            pf = CudaPrefetcher(source, device=self.trainer.strategy.root_device, batch_size=args.batch_size,
-                                shuffle=True, seed=0)
+            pf = CudaPrefetcher(SourceLoader(source, batch_size=args.batch_size, shuffle=True, seed=0),
+                                device=self.trainer.strategy.root_device)
             self.prefetchers.append(pf)
             return pf  # has state_dict/load_state_dict: Lightning checkpoints and restores it
 
@@ -132,8 +132,9 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
     last = tmp / "ckpt" / "last.ckpt"
     ckpt = torch.load(last, map_location="cpu", weights_only=False)
     step, (state,) = ckpt["global_step"], ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
-    print(f"last checkpoint: step {step}; the gpufeed state Lightning saved in it: {state['batch']} batches "
-          f"into the epoch, batch_size={state['config']['batch_size']}, seed={state['config']['seed']}")
+    loader = state["loader"]  # the SourceLoader's position after the last batch handed out
+    print(f"last checkpoint: step {step}; the gpufeed state Lightning saved in it: {loader['batch']} batches "
+          f"into the epoch, batch_size={loader['config']['batch_size']}, seed={loader['config']['seed']}")
 
     resumed = Classifier()
     fit(args, resumed, [], ckpt_path=last)

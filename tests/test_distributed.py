@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from gpufeed import CudaPrefetcher
+from gpufeed import CudaPrefetcher, SourceLoader
 from gpufeed.sources import RawSource, plan_batches
 
 WORLD = 2
@@ -58,9 +58,9 @@ def open_source(directory: Path) -> RawSource:
 def _source_case(data: Path, kw: dict) -> dict:
     x = np.load(data / "x.npy")
     out: dict = {"epochs": [], "bytes_ok": True}
-    with CudaPrefetcher(open_source(data), batch_size=BATCH, seed=SEED, **kw) as pf:
+    with CudaPrefetcher(SourceLoader(open_source(data), batch_size=BATCH, seed=SEED, **kw)) as pf:
         out["device"], out["len"] = str(pf.device), len(pf)
-        cfg = pf.state_dict()["config"]
+        cfg = pf.state_dict()["loader"]["config"]
         out["rank"], out["world_size"] = cfg["rank"], cfg["world_size"]
         for epoch in EPOCHS:
             pf.set_epoch(epoch)
@@ -76,12 +76,12 @@ def _source_case(data: Path, kw: dict) -> dict:
 def _resume_case(data: Path) -> dict:
     """Stop after 3 batches of epoch 1, resume in a new prefetcher: the rest, then epoch 2."""
     kw = dict(batch_size=BATCH, shuffle=True, seed=SEED)
-    with CudaPrefetcher(open_source(data), **kw) as pf:
+    with CudaPrefetcher(SourceLoader(open_source(data), **kw)) as pf:
         pf.set_epoch(1)
         it = iter(pf)
         head = [next(it)["y"].tolist() for _ in range(3)]
         state = pf.state_dict()
-    with CudaPrefetcher(open_source(data), **kw) as pf:
+    with CudaPrefetcher(SourceLoader(open_source(data), **kw)) as pf:
         pf.load_state_dict(state)
         rest = [b["y"].tolist() for b in pf]
         after = [b["y"].tolist() for b in pf]
@@ -91,10 +91,10 @@ def _resume_case(data: Path) -> dict:
 def _tiny_case(tiny: Path) -> dict:
     """One sample, two ranks: only pad=True gives both ranks a batch."""
     out: dict = {}
-    with CudaPrefetcher(open_source(tiny), batch_size=BATCH, pad=True) as pf:
+    with CudaPrefetcher(SourceLoader(open_source(tiny), batch_size=BATCH, pad=True)) as pf:
         out["pad"] = [b["y"].tolist() for b in pf]
     try:
-        with CudaPrefetcher(open_source(tiny), batch_size=BATCH) as pf:
+        with CudaPrefetcher(SourceLoader(open_source(tiny), batch_size=BATCH)) as pf:
             out["no_pad"] = [b["y"].tolist() for b in pf]
     except ValueError as exc:
         out["no_pad_error"] = str(exc)

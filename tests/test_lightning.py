@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from gpufeed import CudaPrefetcher, Field
+from gpufeed import CudaPrefetcher, Field, SourceLoader
 
 L = pytest.importorskip("lightning", reason="lightning is not installed (pip install 'gpufeed[dev]')")
 from lightning.fabric.utilities.types import _Stateful  # noqa: E402
@@ -55,7 +55,7 @@ class ArraySource:
 
 
 def source_loader() -> CudaPrefetcher:
-    return CudaPrefetcher(ArraySource(), device="cpu", batch_size=BATCH, shuffle=True, seed=1)
+    return CudaPrefetcher(SourceLoader(ArraySource(), batch_size=BATCH, shuffle=True, seed=1), device="cpu")
 
 
 def stateful_loader() -> CudaPrefetcher:
@@ -124,8 +124,9 @@ def test_every_checkpoint_holds_the_prefetchers_position(uninterrupted):
     for step, path in ckpts.items():
         loops = torch.load(path, map_location="cpu", weights_only=False)["loops"]
         (state,) = loops["fit_loop"]["state_dict"]["combined_loader"]
-        assert state["mode"] == "source" and state["config"]["batch_size"] == BATCH
-        assert state["batch"] == (step - 1) % STEPS_PER_EPOCH + 1  # batches handed out in the current epoch
+        loader = state["loader"]  # the SourceLoader's state after the last batch handed out
+        assert state["mode"] == "loader" and loader["config"]["batch_size"] == BATCH
+        assert loader["batch"] == (step - 1) % STEPS_PER_EPOCH + 1  # batches handed out in the current epoch
 
 
 @pytest.mark.parametrize("step", [1, 4, 7, 8, 13, 14, 19])  # 7 and 14 end an epoch

@@ -1,14 +1,13 @@
 """The staged read of source batches (the CUDA path's host half), driven on the CPU with plain memory."""
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from gpufeed._source_batch import _Chain, regions
+from gpufeed._source_batch import EpochReads, regions
 from gpufeed.pinned_pool import PinnedPool
 from gpufeed.sources import plan_batches
 from test_source_mode import ArraySource, OddSource
@@ -16,10 +15,9 @@ from test_source_mode import ArraySource, OddSource
 STOP = threading.Event()
 
 
-def fake_copier(budget, chunk_bytes, threads=3):
+def fake_copier(budget, chunk_bytes):
     pool = PinnedPool(budget=budget, chunk_bytes=chunk_bytes, pin=False)
-    ex = ThreadPoolExecutor(threads)
-    return SimpleNamespace(pool=pool, executor=ex, threads=threads, trace=None, stream=None), ex
+    return SimpleNamespace(pool=pool, trace=None, stream=None)
 
 
 @pytest.mark.parametrize("min_read", [0, 1 << 20])  # many reads per chunk, or one
@@ -31,8 +29,8 @@ def test_staged_reads_deliver_every_byte_and_return_every_buffer(budget, src_cls
     monkeypatch.setattr(sb, "MIN_READ_BYTES", min_read)
     src = src_cls()
     plan = plan_batches(len(src), 17, shuffle=True, seed=1)
-    copier, ex = fake_copier(budget, 4096)
-    chain = _Chain(src, plan)
+    copier = fake_copier(budget, 4096)
+    chain = EpochReads(src, plan, threads=3)
     try:
         for i in range(len(plan)):
             b = chain.get(i)
@@ -46,7 +44,7 @@ def test_staged_reads_deliver_every_byte_and_return_every_buffer(budget, src_cls
         assert len(copier.pool._free) == copier.pool.allocations  # nothing left taken
         assert copier.pool.allocated <= max(budget, 4096 * 2)
     finally:
-        ex.shutdown()
+        chain.cancel()
 
 
 def test_a_successor_started_then_abandoned_returns_its_buffers(monkeypatch):
@@ -54,8 +52,8 @@ def test_a_successor_started_then_abandoned_returns_its_buffers(monkeypatch):
 
     monkeypatch.setattr(sb, "INLINE_BYTES", 0)  # batches this small are read inline, with no successor
     src = ArraySource()
-    copier, ex = fake_copier(1 << 20, 4096)
-    chain = _Chain(src, plan_batches(len(src), 10))
+    copier = fake_copier(1 << 20, 4096)
+    chain = EpochReads(src, plan_batches(len(src), 10), threads=3)
     b0 = chain.get(0)
     out = {k: torch.empty((10, *f.shape), dtype=f.dtype) for k, f in src.fields.items()}
     b0._read_staged(copier, out, STOP)
@@ -63,7 +61,6 @@ def test_a_successor_started_then_abandoned_returns_its_buffers(monkeypatch):
     chain.cancel()
     assert not chain.get(1)._entries
     assert len(copier.pool._free) == copier.pool.allocations
-    ex.shutdown()
 
 
 def test_regions_are_aligned_for_every_dtype():
@@ -75,9 +72,9 @@ def test_regions_are_aligned_for_every_dtype():
 
 def test_views_are_cached_per_buffer_and_layout():
     src = ArraySource()
-    copier, ex = fake_copier(1 << 20, 4096)
+    copier = fake_copier(1 << 20, 4096)
     plan = plan_batches(len(src), 10)
-    chain = _Chain(src, plan)
+    chain = EpochReads(src, plan, threads=3)
     try:
         for i in range(3):  # same layout three times: the views are made once per buffer
             b = chain.get(i)
@@ -88,19 +85,18 @@ def test_views_are_cached_per_buffer_and_layout():
         assert cached and max(cached) == 1
     finally:
         chain.cancel()
-        ex.shutdown()
 
 
 def test_a_small_batch_is_read_on_the_calling_thread():
     """One read under INLINE_BYTES runs on the background thread itself: no worker is woken for it."""
     src = ArraySource()
-    copier, ex = fake_copier(1 << 20, 4096)
+    copier = fake_copier(1 << 20, 4096)
     submitted = []
-    copier.executor = SimpleNamespace(submit=lambda *a: submitted.append(a))
     threads = []
     real = src.read
     src.read = lambda rows, out: (threads.append(threading.current_thread()), real(rows, out))
-    chain = _Chain(src, plan_batches(len(src), 10))
+    chain = EpochReads(src, plan_batches(len(src), 10), threads=3)
+    chain._executor = SimpleNamespace(submit=lambda *a: submitted.append(a), shutdown=lambda **k: None)
     try:
         for i in range(3):
             b = chain.get(i)
@@ -110,14 +106,13 @@ def test_a_small_batch_is_read_on_the_calling_thread():
         assert not submitted and threads == [threading.current_thread()] * 3
     finally:
         chain.cancel()
-        ex.shutdown()
     assert len(copier.pool._free) == copier.pool.allocations
 
 
 def test_a_failing_inline_read_raises_and_returns_its_buffer():
     src = ArraySource(fail_at=15)
-    copier, ex = fake_copier(1 << 20, 4096)
-    chain = _Chain(src, plan_batches(len(src), 10))
+    copier = fake_copier(1 << 20, 4096)
+    chain = EpochReads(src, plan_batches(len(src), 10), threads=3)
     try:
         out = {k: torch.empty((10, *f.shape), dtype=f.dtype) for k, f in src.fields.items()}
         chain.get(0)._read_staged(copier, out, STOP)
@@ -125,5 +120,4 @@ def test_a_failing_inline_read_raises_and_returns_its_buffer():
             chain.get(1)._read_staged(copier, out, STOP)
     finally:
         chain.cancel()
-        ex.shutdown()
     assert len(copier.pool._free) == copier.pool.allocations

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpufeed import CudaPrefetcher, Field
+from gpufeed import CudaPrefetcher, Field, SourceLoader
 from gpufeed.sources import RawSource, plan_batches
 
 
@@ -49,8 +49,8 @@ def collect(pf, limit=None):
 @pytest.mark.parametrize("depth", [1, 2, 4])
 def test_source_batches_equal_the_plan(device, shuffle, depth):
     src = ArraySource()
-    with CudaPrefetcher(src, device=device, depth=depth, batch_size=10, shuffle=shuffle, seed=4,
-                        chunk_bytes=4096) as pf:
+    with CudaPrefetcher(SourceLoader(src, batch_size=10, shuffle=shuffle, seed=4),
+                        device=device, depth=depth, chunk_bytes=4096) as pf:
         for epoch in range(2):
             got = collect(pf)
             plan = plan_batches(len(src), 10, shuffle=shuffle, seed=4, epoch=epoch)
@@ -64,7 +64,7 @@ def test_source_batches_equal_the_plan(device, shuffle, depth):
 
 
 def test_shuffle_changes_per_epoch_and_set_epoch_repeats_it():
-    with CudaPrefetcher(ArraySource(), device="cpu", batch_size=20, shuffle=True, seed=1) as pf:
+    with CudaPrefetcher(SourceLoader(ArraySource(), batch_size=20, shuffle=True, seed=1), device="cpu") as pf:
         e0 = [b["y"] for b in collect(pf)]
         e1 = [b["y"] for b in collect(pf)]
         pf.set_epoch(0)
@@ -78,8 +78,9 @@ def test_shuffle_changes_per_epoch_and_set_epoch_repeats_it():
 def test_ranks_share_the_data_disjointly(drop_last):
     seen, counts = [], []
     for rank in range(3):
-        with CudaPrefetcher(ArraySource(), device="cpu", batch_size=8, shuffle=True, drop_last=drop_last,
-                            rank=rank, world_size=3) as pf:
+        with CudaPrefetcher(SourceLoader(ArraySource(), batch_size=8, shuffle=True, drop_last=drop_last,
+                                         rank=rank, world_size=3),
+                            device="cpu") as pf:
             ys = [b["y"] for b in collect(pf)]
         counts.append(len(ys))
         seen += torch.cat(ys).tolist()
@@ -92,7 +93,7 @@ def test_ranks_share_the_data_disjointly(drop_last):
 def test_a_read_error_arrives_after_the_batches_before_it(device):
     got = []
     with (
-        CudaPrefetcher(ArraySource(fail_at=45), device=device, batch_size=10) as pf,
+        CudaPrefetcher(SourceLoader(ArraySource(fail_at=45), batch_size=10), device=device) as pf,
         pytest.raises(OSError, match="row 45"),
     ):
         for b in pf:
@@ -105,7 +106,8 @@ def test_raw_files_through_the_prefetcher(tmp_path, device):
     np.save(tmp_path / "x.npy", x)
     np.arange(257, dtype=np.int32).tofile(tmp_path / "y.bin")
     src = RawSource(fields={"x": tmp_path / "x.npy", "y": {"paths": tmp_path / "y.bin", "dtype": "int32"}})
-    with CudaPrefetcher(src, device=device, batch_size=32, shuffle=True, chunk_bytes=4096) as pf:
+    with CudaPrefetcher(SourceLoader(src, batch_size=32, shuffle=True),
+                        device=device, chunk_bytes=4096) as pf:
         got = collect(pf)
     ys = torch.cat([b["y"] for b in got]).numpy()
     assert sorted(ys) == list(range(257))
@@ -122,10 +124,13 @@ def run_sequence(pf, epochs):
 @pytest.mark.parametrize("depth", [1, 2, 3, 4])
 @pytest.mark.parametrize("stop_at", [(0, 0), (0, 1), (0, 5), (0, 11), (1, 3)])
 def test_resume_yields_exactly_the_rest(shuffle, depth, stop_at):
-    kw = dict(device="cpu", batch_size=9, shuffle=shuffle, seed=3, depth=depth)
-    full = [y for epoch in run_sequence(CudaPrefetcher(ArraySource(), **kw), 3) for y in epoch]
+    def make():
+        loader = SourceLoader(ArraySource(), batch_size=9, shuffle=shuffle, seed=3)
+        return CudaPrefetcher(loader, device="cpu", depth=depth)
+
+    full = [y for epoch in run_sequence(make(), 3) for y in epoch]
     epoch, k = stop_at
-    pf = CudaPrefetcher(ArraySource(), **kw)
+    pf = make()
     got = []
     for _ in range(epoch):
         got += [b["y"].tolist() for b in pf]
@@ -134,7 +139,7 @@ def test_resume_yields_exactly_the_rest(shuffle, depth, stop_at):
         got.append(next(it)["y"].tolist())
     state = pf.state_dict()
     pf.close()
-    resumed = CudaPrefetcher(ArraySource(), **kw)
+    resumed = make()
     resumed.load_state_dict(state)
     while len(got) < len(full):
         got += [b["y"].tolist() for b in resumed]
@@ -142,9 +147,9 @@ def test_resume_yields_exactly_the_rest(shuffle, depth, stop_at):
 
 
 def test_resume_with_another_configuration_is_refused():
-    pf = CudaPrefetcher(ArraySource(), device="cpu", batch_size=9)
+    pf = CudaPrefetcher(SourceLoader(ArraySource(), batch_size=9), device="cpu")
     state = pf.state_dict()
-    other = CudaPrefetcher(ArraySource(), device="cpu", batch_size=10)
+    other = CudaPrefetcher(SourceLoader(ArraySource(), batch_size=10), device="cpu")
     with pytest.raises(ValueError, match="batch_size: saved 9, now 10"):
         other.load_state_dict(state)
     with pytest.raises(ValueError, match="not a gpufeed state_dict"):
@@ -193,7 +198,7 @@ def test_resume_over_a_stateful_dataloader(num_workers, stop_at):
 
 def test_an_iter_that_is_never_advanced_does_not_count_as_an_epoch():
     # Lightning calls iter() once to check a loader is iterable; that must not shift the epochs.
-    with CudaPrefetcher(ArraySource(), device="cpu", batch_size=10, shuffle=True, seed=2) as pf:
+    with CudaPrefetcher(SourceLoader(ArraySource(), batch_size=10, shuffle=True, seed=2), device="cpu") as pf:
         iter(pf)
         first = [b["y"] for b in collect(pf)]
         assert pf.epoch == 0
@@ -217,7 +222,8 @@ class OddSource(ArraySource):
 @pytest.mark.parametrize("chunk_bytes", [4096, 32 << 20])
 def test_fields_of_odd_row_sizes(device, chunk_bytes):
     src = OddSource()
-    with CudaPrefetcher(src, device=device, batch_size=13, shuffle=True, chunk_bytes=chunk_bytes) as pf:
+    with CudaPrefetcher(SourceLoader(src, batch_size=13, shuffle=True),
+                        device=device, chunk_bytes=chunk_bytes) as pf:
         got = collect(pf)
     ys = torch.cat([b["y"] for b in got]).numpy()
     assert sorted(ys) == list(range(77))
@@ -227,8 +233,8 @@ def test_fields_of_odd_row_sizes(device, chunk_bytes):
 
 def test_a_transform_may_change_the_structure_of_source_batches(device):
     # The tensors to fence are taken from the transform's output, whatever its structure (a tuple here).
-    with CudaPrefetcher(ArraySource(), device=device, batch_size=10,
-                        transform=lambda b: (b["x"] * 2, b["y"] + 1)) as pf:
+    with CudaPrefetcher(SourceLoader(ArraySource(), batch_size=10),
+                        device=device, transform=lambda b: (b["x"] * 2, b["y"] + 1)) as pf:
         got = [(x.cpu(), y.cpu()) for x, y in pf]
     assert torch.equal(torch.cat([y for _, y in got]), torch.arange(1, 104))
     assert torch.equal(torch.cat([x for x, _ in got]), torch.from_numpy(ArraySource().arrays["x"]) * 2)
@@ -241,7 +247,7 @@ def test_seal_fences_the_tensors_of_the_transform_output():
     from gpufeed.pinned_pool import PinnedPool
 
     copier = Copier(torch.device("cpu"), None, PinnedPool(pin=False), SimpleNamespace(),
-                    lambda b: [b["x"] + 1, "tag", {"z": b["x"]}], num_threads=1)
+                    lambda b: [b["x"] + 1, "tag", {"z": b["x"]}])
     out = copier.seal({"x": torch.zeros(2)}, [], None)
     assert [t.tolist() for t in out.fresh] == [[1.0, 1.0], [0.0, 0.0]]
     assert out.batch[1] == "tag"

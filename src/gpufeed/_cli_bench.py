@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from gpufeed._cli_util import CLIError, format_bytes, parse_size, say, table
+from gpufeed.source_loader import SourceLoader
 
 FEATURES = 1024  # x is (rows, FEATURES) float32: 4 KiB per sample, plus 8 bytes of y
 DEFAULT_SIZE_CPU = "256MiB"
@@ -391,7 +392,7 @@ def _gpufeed_h5(cfg: Config) -> tuple[_Meter, str, dict[str, Any]]:
     H5Source = _import_source("H5Source")
     with H5Source(cfg.path, fields=["x", "y"]) as src:
         paths = dict(src.paths_taken)
-        meter, extra = _prefetched(cfg, "gpufeed_h5", src, batch_size=cfg.batch_size)
+        meter, extra = _prefetched(cfg, "gpufeed_h5", SourceLoader(src, batch_size=cfg.batch_size))
     extra["paths_taken"] = paths
     return meter, "", extra
 
@@ -406,7 +407,7 @@ def _gpufeed_gds(cfg: Config) -> tuple[_Meter, str, dict[str, Any]]:
     GDSSource = _import_source("GDSSource")
     src = GDSSource(cfg.path, fields=["x", "y"])
     try:
-        meter, extra = _prefetched(cfg, "gpufeed_gds", src, batch_size=cfg.batch_size)
+        meter, extra = _prefetched(cfg, "gpufeed_gds", SourceLoader(src, batch_size=cfg.batch_size))
     finally:
         src.close()
     extra["mode"] = src.mode

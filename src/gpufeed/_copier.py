@@ -6,7 +6,6 @@ import collections
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +15,7 @@ from gpufeed import _nvtx
 from gpufeed._tracing import TraceRecorder
 from gpufeed._tree import flatten
 from gpufeed.pinned_pool import PinnedPool
+from gpufeed.source_loader import ReadRequest
 from gpufeed.staging import PinnedUnavailable, Stager, warn_pageable
 from gpufeed.stats import PrefetchStats
 
@@ -63,22 +63,20 @@ class Copier:
     the consumer's kernels may still read it. Host tensors that the copy engine reads directly (pinned
     leaves) are kept alive until their copy completed.
 
-    A :class:`~gpufeed.BatchSource` batch reads itself through :meth:`begin`, :meth:`seal`, ``pool``
-    and ``executor`` (``gpufeed._source_batch``).
+    A :class:`~gpufeed.ReadRequest` (a batch of a :class:`~gpufeed.SourceLoader`) reads itself through
+    the members its protocol names (:meth:`begin`, :meth:`seal`, ``pool`` ...).
     """
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream | None, pool: PinnedPool,
-                 stats: PrefetchStats, transform: Callable[[Any], Any] | None, num_threads: int,
+                 stats: PrefetchStats, transform: Callable[[Any], Any] | None,
                  trace: TraceRecorder | None = None) -> None:
         self.device = device
         self.stream = stream
         self.pool = pool
         self.stats = stats
         self.transform = transform
-        self.threads = num_threads
         self.trace = trace
         self.stager = Stager(pool.chunk_bytes)  # used only when there is a copy stream
-        self._executor: ThreadPoolExecutor | None = None
         # Per timed batch or batch read from pinned host tensors: its start event (None when not timed), its
         # end event, the pinned host tensors its copies read (kept alive until the copy completed) and the
         # bytes it copied.
@@ -86,28 +84,21 @@ class Copier:
             tuple[torch.cuda.Event | None, torch.cuda.Event, list[torch.Tensor], int]] = collections.deque()
         self._count = 0
 
-    @property
-    def executor(self) -> ThreadPoolExecutor:
-        """The reader threads of a BatchSource, started on first use and stopped by :meth:`finish`."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="gpufeed-read")
-        return self._executor
-
     def deliver(self, raw: Any, index: int, stop: threading.Event,
                 consumer: torch.cuda.Stream | None) -> Delivered:
         state = None
         if isinstance(raw, WithState):
             raw, state = raw.batch, raw.state
         t0 = time.perf_counter()
-        read = getattr(raw, "gpufeed_read", None)
-        if read is not None:  # a source-mode batch: the source reads into our buffers
-            out = read(self, stop)
+        request = isinstance(raw, ReadRequest)
+        if request:  # a SourceLoader's batch: the source reads into our buffers
+            out = raw.read(self, stop)
         elif self.stream is None:
             out = self._to_cpu(raw)
         else:
             out = self._to_cuda(raw)
         if self.trace is not None:
-            name = "read+copy" if read is not None else "stage+copy"
+            name = "read+copy" if request else "stage+copy"
             self.trace.add(name, int(t0 * 1e9), int(time.perf_counter() * 1e9), "gpufeed-fetch", batch=index)
         out.state = state
         if self.stream is not None:
@@ -209,11 +200,9 @@ class Copier:
                 self.stats.add(copy_s=start.elapsed_time(end) / 1e3, timed_bytes=nbytes)
 
     def finish(self) -> None:
-        """The epoch's fetch thread is ending: account the last copies and stop the reader threads."""
+        """The epoch's fetch thread is ending: account the last copies and let go of what they read."""
         if self.stream is not None:
             try:
                 self._collect(wait=True)
             except Exception:
                 pass
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)

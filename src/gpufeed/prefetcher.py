@@ -19,6 +19,7 @@ from gpufeed import _nvtx, _worker
 from gpufeed._copier import Copier, Delivered
 from gpufeed._static import StaticBuffers
 from gpufeed._tracing import TraceRecorder
+from gpufeed._wrapped import WrappedLoader
 from gpufeed.pinned_pool import PinnedPool
 from gpufeed.staging import DEFAULT_CHUNK_BYTES, DEFAULT_PINNED_BUDGET
 from gpufeed.stats import PrefetchStats
@@ -35,8 +36,9 @@ class CudaPrefetcher:
         for batch in CudaPrefetcher(loader):           # any DataLoader, list or iterable
             loss = model(batch["x"]).loss(batch["y"])   # batch["x"] is already on the GPU
 
-    Wraps any iterable (a DataLoader, a list, a callable that returns a fresh iterable each epoch)
-    or a :class:`~gpufeed.BatchSource` (then gpufeed batches, shuffles and shards it). A background
+    Wraps any iterable (a DataLoader, a list, a callable that returns a fresh iterable each epoch),
+    or a :class:`~gpufeed.SourceLoader`, which batches a :class:`~gpufeed.BatchSource` (files read
+    straight into the prefetcher's pinned buffers). A background
     thread pulls batches ahead of the training loop; tensors that are not pinned are pinned there
     (torch's caching host allocator) and copied to the device on one dedicated copy stream while the
     loop computes on its own stream. Re-iterate it for each epoch; ``len``, ``set_epoch`` and
@@ -51,23 +53,13 @@ class CudaPrefetcher:
         [6, 22]
 
     Args:
-        source: the loader (any iterable, or a zero-argument callable returning one) or a BatchSource.
+        source: the loader: any iterable, a zero-argument callable returning one, or a SourceLoader.
         device: target device; ``None`` means the current CUDA device when CUDA is available, else CPU.
         depth: batches prefetched ahead of the one the loop holds (>= 1; 1 is double buffering).
         transform: optional function applied to each batch on the device, on the copy stream (ship
             ``uint8`` and convert on the GPU: a quarter of the bytes of ``float32``).
-        batch_size: a BatchSource only: samples per batch (a loader batches itself).
-        shuffle: a BatchSource only: ``False``, ``True`` (a new permutation of the samples each epoch),
-            or ``"blocks"`` (batch-sized blocks of consecutive samples in a random order: each batch is
-            one sequential read, for slow disks).
-        drop_last, seed, rank, world_size, pad: a BatchSource only: drop a short last batch; the
-            shuffle's seed (combined with the epoch); this process's shard (default: from
-            ``torch.distributed`` when initialized); pad shards to equal length (see
-            :func:`gpufeed.sources.plan_batches`). With a loader, each of these raises: set them on
-            the loader and its sampler.
-        num_threads: a BatchSource only: reader threads (default: up to 8).
-        pinned_budget: bytes of pinned memory a BatchSource's reads may hold (0 disables pinned staging
-            in both modes: pageable copies, still off the loop's thread).
+        pinned_budget: bytes of pinned memory a SourceLoader's reads may hold (0 disables pinned staging
+            for every loader: pageable copies, still off the loop's thread).
         chunk_bytes: a pageable tensor larger than this is staged in chunks of it, so filling one chunk
             overlaps the copy of the one before; also the size of a source's pinned buffers.
         static: deliver every batch into the same device tensors, for a captured CUDA graph; each item
@@ -95,23 +87,16 @@ class CudaPrefetcher:
         depth: int = 2,
         transform: Callable[[Any], Any] | None = None,
         *,
-        batch_size: int | None = None,
-        shuffle: bool | str = False,
-        drop_last: bool = False,
-        seed: int = 0,
-        rank: int | None = None,
-        world_size: int | None = None,
-        pad: bool = False,
-        num_threads: int | None = None,
         pinned_budget: int | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         static: bool = False,
         trace: bool | None = None,
+        **unexpected: Any,
     ) -> None:
+        if unexpected:
+            raise TypeError(_unexpected_message(unexpected))
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth must be an int >= 1 (batches prefetched ahead), got {depth!r}")
-        if num_threads is not None and num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         if transform is not None and not callable(transform):
             raise ValueError(f"transform must be callable, got {type(transform).__name__}")
         self.device = _resolve_device(device)
@@ -126,9 +111,7 @@ class CudaPrefetcher:
         self._state: Any = None  # the resumable state after the last batch handed to the consumer
         self._resume: tuple[int, int] | None = None  # (epoch, batch) to start from, after load_state_dict
         self._lock = threading.Lock()
-        self.num_threads = num_threads or min(8, os.cpu_count() or 1)  # docs/design.md: why 8 readers
-        self._mode = _make_mode(source, self, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
-                                seed=seed, rank=rank, world_size=world_size, pad=pad, num_threads=num_threads)
+        self._loader = WrappedLoader(source)
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         budget = DEFAULT_PINNED_BUDGET if pinned_budget is None else int(pinned_budget)
@@ -143,24 +126,24 @@ class CudaPrefetcher:
 
     @property
     def source(self) -> Any:
-        return self._mode.source
+        return self._loader.source
 
     def __len__(self) -> int:
-        return self._mode.length()
+        return self._loader.length()
 
     def __getattr__(self, name: str) -> Any:
         # dataset, sampler, batch_size, collate_fn ... read through to the wrapped loader, when it has them.
-        mode = self.__dict__.get("_mode")
-        if not name.startswith("_") and mode is not None and hasattr(mode.source, name):
-            return getattr(mode.source, name)
-        wrapped = f" nor has the wrapped {type(mode.source).__name__}" if mode is not None else ""
+        loader = self.__dict__.get("_loader")
+        if not name.startswith("_") and loader is not None and hasattr(loader.source, name):
+            return getattr(loader.source, name)
+        wrapped = f" nor has the wrapped {type(loader.source).__name__}" if loader is not None else ""
         raise AttributeError(f"'CudaPrefetcher' object has no attribute {name!r}{wrapped}")
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of the next iteration, forwarded to the loader, its sampler and batch sampler."""
         self.epoch = int(epoch)
         self._epoch_set = True
-        self._mode.set_epoch(self.epoch)
+        self._loader.set_epoch(self.epoch)
 
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
@@ -172,13 +155,12 @@ class CudaPrefetcher:
             start = 0
             if self._resume is not None:
                 (self.epoch, start), self._resume = self._resume, None
-                self._mode.set_epoch(self.epoch, implicit=True)
             elif not self._epoch_set and self._started:  # a new epoch unless set_epoch chose one
                 self.epoch += 1
-                self._mode.set_epoch(self.epoch, implicit=True)
+            self._loader.set_epoch(self.epoch, implicit=True)
             self._epoch_set = False
-            self._state = self._mode.initial_state(self.epoch, start)
-            it = _EpochIterator(self, self._mode.batches(self.epoch, start))
+            self._state = self._loader.initial_state(self.epoch, start)
+            it = _EpochIterator(self, self._loader.batches(self.epoch, start))
             self._current = weakref.ref(it)
         return it
 
@@ -198,20 +180,20 @@ class CudaPrefetcher:
     def state_dict(self) -> dict[str, Any]:
         """What the consumer has received so far (not what is in flight), to resume exactly there.
 
-        With a BatchSource: the epoch, the number of batches handed out in it, and the configuration.
-        With a loader that has ``state_dict`` (torchdata's ``StatefulDataLoader``): the loader's state
-        taken right after it produced the last batch handed out.
+        The wrapped loader needs ``state_dict`` (a :class:`~gpufeed.SourceLoader`, torchdata's
+        ``StatefulDataLoader``): this is the loader's state taken right after it produced the last batch
+        handed out (for a SourceLoader: the epoch, the batches handed out in it, the configuration).
 
         Example:
-            >>> pf = CudaPrefetcher(source, batch_size=32)       # doctest: +SKIP
-            >>> ckpt = pf.state_dict()                           # doctest: +SKIP
-            >>> CudaPrefetcher(source, batch_size=32).load_state_dict(ckpt)  # doctest: +SKIP
+            >>> pf = CudaPrefetcher(SourceLoader(source, batch_size=32))      # doctest: +SKIP
+            >>> ckpt = pf.state_dict()                                        # doctest: +SKIP
+            >>> CudaPrefetcher(SourceLoader(source, batch_size=32)).load_state_dict(ckpt)  # doctest: +SKIP
         """
-        return self._mode.state_dict(self._state, self.epoch)
+        return self._loader.state_dict(self._state, self.epoch)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next iteration yields exactly the batches not yet received."""
-        self.epoch, start = self._mode.load_state_dict(state)
+        self.epoch, start = self._loader.load_state_dict(state)
         self._resume = (self.epoch, start)
         self._epoch_set = False
 
@@ -226,7 +208,7 @@ class CudaPrefetcher:
         if it is not None:
             it._shutdown("the CudaPrefetcher was closed")
         self._pool.clear()
-        self._mode.close()
+        self._loader.close()
 
     def __enter__(self) -> CudaPrefetcher:
         return self
@@ -245,8 +227,7 @@ class CudaPrefetcher:
     def _copier(self) -> Copier:
         # A copier and its reader threads belong to one epoch (they end with its fetch thread), so break,
         # an error or Ctrl-C leaves no gpufeed thread behind; pinned buffers live on in the pool.
-        return Copier(self.device, self._stream, self._pool, self.stats, self.transform, self.num_threads,
-                      self._trace)
+        return Copier(self.device, self._stream, self._pool, self.stats, self.transform, self._trace)
 
 
 class _EpochIterator:
@@ -395,10 +376,17 @@ def _resolve_device(device: torch.device | str | int | None) -> torch.device:
     return dev
 
 
-def _make_mode(source: Any, pf: CudaPrefetcher, **source_kw: Any) -> Any:
-    from gpufeed._modes import make_mode
+#: Arguments that batch, shuffle, shard or read: they belong to the loader a prefetcher wraps.
+_LOADER_ARGS = ("batch_size", "shuffle", "drop_last", "seed", "rank", "world_size", "pad", "num_threads")
 
-    return make_mode(source, pf, **source_kw)
+
+def _unexpected_message(kwargs: dict[str, Any]) -> str:
+    moved = [k for k in kwargs if k in _LOADER_ARGS]
+    if not moved:
+        return f"CudaPrefetcher() got an unexpected keyword argument {next(iter(kwargs))!r}"
+    return (f"CudaPrefetcher() got {', '.join(moved)}: batching belongs to the loader it wraps: "
+            f"CudaPrefetcher(SourceLoader(source, {moved[0]}=...)) for a BatchSource, or the DataLoader's "
+            "own arguments (a DistributedSampler for rank and world_size)")
 
 
 @atexit.register

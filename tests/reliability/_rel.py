@@ -45,9 +45,11 @@ def note(text: str) -> None:
 # -- sources on disk -------------------------------------------------------------------------------
 
 #: Every host source kind the CPU suite covers (GDSSource runs in the cuda part).
-KINDS = ["raw", "raw-multi", "manifest", "h5-contiguous", "h5-chunked", "h5-gzip"]
-#: Kinds read by byte offset with os.preadv (gzip goes through h5py's read_direct).
-BY_OFFSET = [k for k in KINDS if k != "h5-gzip"]
+KINDS = ["raw", "raw-multi", "manifest", "h5-contiguous", "h5-chunked", "h5-gzip", "h5-lzf"]
+#: Kinds read with os.preadv (gzip chunks by their offsets in the chunk index); lzf goes through h5py.
+BY_OFFSET = [k for k in KINDS if k != "h5-lzf"]
+#: Kinds read straight from the file's bytes (the memory-map gather applies to them).
+RAW_BYTES = [k for k in KINDS if k not in ("h5-gzip", "h5-lzf")]
 
 
 def sample_data(n: int = 240, seed: int = 0) -> dict[str, np.ndarray]:
@@ -123,6 +125,11 @@ class OnDisk:
         gz = {"compression": "gzip", "shuffle": True}
         self._h5_kind({"x": {"chunks": (8, 4, 8), **gz}, "y": {"chunks": (8,), **gz},
                        "w": {"chunks": (8, 3), **gz}})
+
+    def _write_h5_lzf(self) -> None:  # a filter gpufeed does not decode: the h5py path
+        lzf = {"compression": "lzf"}
+        self._h5_kind({"x": {"chunks": (8, 4, 8), **lzf}, "y": {"chunks": (8,), **lzf},
+                       "w": {"chunks": (8, 3), **lzf}})
 
     def _h5_kind(self, kw: dict) -> None:
         from gpufeed.sources import H5Source

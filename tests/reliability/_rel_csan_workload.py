@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpufeed import CudaPrefetcher
+from gpufeed import CudaPrefetcher, SourceLoader
 from gpufeed.sources import RawSource
 
 
@@ -58,8 +58,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         x = np.random.default_rng(0).integers(0, 256, (600, 1024), dtype=np.uint8)
         np.save(Path(tmp) / "x.npy", x)
-        with CudaPrefetcher(RawSource(Path(tmp) / "x.npy"), batch_size=64, shuffle=True, depth=2,
-                            chunk_bytes=64 << 10) as pf:
+        with CudaPrefetcher(SourceLoader(RawSource(Path(tmp) / "x.npy"), batch_size=64, shuffle=True),
+                            depth=2, chunk_bytes=64 << 10) as pf:
             s = torch.zeros((), device="cuda", dtype=torch.int64)
             for b in pf:
                 torch.cuda._sleep(500_000)

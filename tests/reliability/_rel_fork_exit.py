@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpufeed import CudaPrefetcher
+from gpufeed import CudaPrefetcher, SourceLoader
 from gpufeed.sources import H5Source, RawSource
 
 
@@ -43,7 +43,8 @@ def main() -> int:
         f["x"], f["row"] = x, rows
     sources = [RawSource(fields={"x": root / "x.npy", "row": root / "row.npy"}),
                H5Source(root / "d.h5", fields=["x", "row"])]
-    pfs = [CudaPrefetcher(s, device="cpu", batch_size=16, shuffle=True, depth=3) for s in sources]
+    pfs = [CudaPrefetcher(SourceLoader(s, batch_size=16, shuffle=True),
+                          device="cpu", depth=3) for s in sources]
     its = [iter(pf) for pf in pfs]
     got = [[next(it) for _ in range(5)] for it in its]
     pid = os.fork()
@@ -52,7 +53,7 @@ def main() -> int:
             out = {k: torch.empty((len(x), *f.shape), dtype=f.dtype) for k, f in s.fields.items()}
             s.read(range(len(x)), out)
             assert np.array_equal(out["x"].numpy(), x)
-        mine = CudaPrefetcher(sources[0], device="cpu", batch_size=32, shuffle=True)
+        mine = CudaPrefetcher(SourceLoader(sources[0], batch_size=32, shuffle=True), device="cpu")
         n = sum(len(b["row"]) for b in mine)
         assert n == len(x), n
         print(f"CHILD OK {os.getpid()}", flush=True)

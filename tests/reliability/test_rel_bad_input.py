@@ -133,13 +133,8 @@ def test_truncated_after_open(kind, tmp_path):
     src = opener()
     _read(src, range(2))
     os.truncate(victim, os.path.getsize(victim) // 3)
-    if kind == "h5-gzip":  # h5py's error: names neither the file nor the fix (docs/reliability.md)
-        with pytest.raises(OSError, match="read"):
-            _read(src, range(40))
-        note("OSError from h5py; does not name the file")
-    else:
-        expect(lambda: _read(src, range(40)), OSError, "short read from " + re.escape(str(victim)),
-               r"truncated or rewritten\?\): recreate the source")
+    expect(lambda: _read(src, range(40)), OSError, "short read from " + re.escape(str(victim)),
+           r"truncated or rewritten\?\): recreate the source")
     src.close()
 
 

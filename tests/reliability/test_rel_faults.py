@@ -20,6 +20,7 @@ import pytest
 import torch
 from _rel import (
     KINDS,
+    RAW_BYTES,
     FaultySource,
     Injected,
     OnDisk,
@@ -35,7 +36,7 @@ from _rel_datasets import RaisingSampler, Rows
 from torch.utils.data import DataLoader
 
 from conftest import wait_no_threads
-from gpufeed import CudaPrefetcher
+from gpufeed import CudaPrefetcher, SourceLoader
 from gpufeed.sources import plan_batches
 
 BS = 16  # 240 rows: 15 batches an epoch
@@ -81,7 +82,7 @@ def test_source_read_raises(disk, device, where):
     row = 0 if where == "first batch" else 5 * BS + 3
     src = FaultySource(disk.open(), fail_row=row)
     got = []
-    with CudaPrefetcher(src, device=device, batch_size=BS, depth=3) as pf:
+    with CudaPrefetcher(SourceLoader(src, batch_size=BS), device=device, depth=3) as pf:
         with pytest.raises(Injected) as info:
             for b in pf:
                 got.append(keep(b))
@@ -96,11 +97,11 @@ def test_source_read_raises(disk, device, where):
 
 @pytest.mark.timeout(30)
 def test_source_low_level_eio(disk, device):
-    """os.preadv (or h5py's read_direct for gzip) fails with EIO mid-epoch."""
+    """os.preadv (or h5py's read_direct for lzf) fails with EIO mid-epoch."""
     src = disk.open()
     got = []
-    failing = failing_read_direct if disk.kind == "h5-gzip" else failing_preadv
-    with CudaPrefetcher(src, device=device, batch_size=BS, depth=2) as pf:
+    failing = failing_read_direct if disk.kind == "h5-lzf" else failing_preadv
+    with CudaPrefetcher(SourceLoader(src, batch_size=BS), device=device, depth=2) as pf:
         with failing(after=10**9) as calls:  # count the calls of a clean epoch (they depend on the path)
             full_epoch(pf, disk)
         with failing(after=calls["calls"] // 3), pytest.raises(OSError) as info:  # a third into the epoch
@@ -119,7 +120,7 @@ def test_source_file_truncated_mid_epoch(disk, device):
     """A file is truncated while an epoch is read: OSError, after exact batches, naming the file."""
     src = disk.open()
     got = []
-    with CudaPrefetcher(src, device=device, batch_size=BS, depth=2) as pf:
+    with CudaPrefetcher(SourceLoader(src, batch_size=BS), device=device, depth=2) as pf:
         it = iter(pf)
         got += [keep(next(it)) for _ in range(2)]
         os.truncate(disk.late_file, os.path.getsize(disk.late_file) // 2)
@@ -129,7 +130,7 @@ def test_source_file_truncated_mid_epoch(disk, device):
         check_epoch(got, disk.data, plan(), complete=False)
         assert len(got) < 15
         msg = str(info.value)
-        if disk.kind == "h5-gzip":  # h5py's error, wrapped: names the file and the check to run
+        if disk.kind == "h5-lzf":  # h5py's error, wrapped: names the file and the check to run
             assert str(disk.late_file) in msg and "h5dump" in msg
         else:
             assert f"short read from {disk.late_file}" in msg and "recreate the source" in msg
@@ -137,7 +138,7 @@ def test_source_file_truncated_mid_epoch(disk, device):
             for _ in pf:
                 pass
     stopped()
-    what = "OSError naming the file (h5py's error wrapped)" if disk.kind == "h5-gzip" else (
+    what = "OSError naming the file (h5py's error wrapped)" if disk.kind == "h5-lzf" else (
         "OSError 'short read from <file>'")
     note(f"{what} after an exact prefix; the next epoch fails the same way")
 
@@ -190,7 +191,7 @@ def _wait_read_ahead(it, depth, timeout=10.0):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("gather", [False, True], ids=["pread", "mmap gather"])
-@pytest.mark.parametrize("kind", [k for k in KINDS if k != "h5-gzip"])
+@pytest.mark.parametrize("kind", RAW_BYTES)
 def test_source_file_truncated_between_shuffled_batches(kind, gather, tmp_path):
     """Shuffled batches, read with positional reads or gathered from a memory map (the opt-in
     ``mmap_gather=True``): a file truncated while no read is in flight gives a clean OSError naming
@@ -205,8 +206,8 @@ def test_source_file_truncated_between_shuffled_batches(kind, gather, tmp_path):
 
     def child():
         got = []
-        with CudaPrefetcher(disk.open(mmap_gather=gather), device="cpu", batch_size=BS, shuffle=True,
-                            depth=2) as pf:
+        with CudaPrefetcher(SourceLoader(disk.open(mmap_gather=gather), batch_size=BS, shuffle=True),
+                            device="cpu", depth=2) as pf:
             it = iter(pf)
             got += [keep(next(it)) for _ in range(3)]
             _wait_read_ahead(it, 2)  # the thread has read its 2 batches ahead and waits: no read in flight
@@ -235,7 +236,7 @@ def test_source_file_truncated_between_shuffled_batches(kind, gather, tmp_path):
 def test_source_file_deleted_mid_epoch(disk, device):
     """A file is deleted while an epoch is read: the open descriptor keeps it; reopening names it."""
     src = disk.open()
-    with CudaPrefetcher(src, device=device, batch_size=BS, depth=2) as pf:
+    with CudaPrefetcher(SourceLoader(src, batch_size=BS), device=device, depth=2) as pf:
         it = iter(pf)
         got = [keep(next(it))]
         os.remove(disk.early_file)
@@ -243,7 +244,8 @@ def test_source_file_deleted_mid_epoch(disk, device):
         check_epoch(got, disk.data, plan())  # the epoch completes with exact bytes
         full_epoch(pf, disk, epoch=1)  # so does the next: descriptors stay open until close()
     src.close()
-    with CudaPrefetcher(src, device=device, batch_size=BS) as pf, pytest.raises(FileNotFoundError) as info:
+    with CudaPrefetcher(SourceLoader(src, batch_size=BS),
+                        device=device) as pf, pytest.raises(FileNotFoundError) as info:
         next(iter(pf))  # the source was closed: reopening fails
     assert str(disk.early_file) in str(info.value)
     stopped()
@@ -256,7 +258,7 @@ def test_source_unopened_file_deleted_mid_epoch(tmp_path, device):
     """A file not opened yet is deleted mid-epoch: FileNotFoundError naming it, after exact batches."""
     disk = OnDisk("raw-multi", tmp_path)
     got = []
-    with CudaPrefetcher(disk.open(), device=device, batch_size=BS, depth=1) as pf:
+    with CudaPrefetcher(SourceLoader(disk.open(), batch_size=BS), device=device, depth=1) as pf:
         it = iter(pf)
         got.append(keep(next(it)))
         os.remove(disk.late_file)
@@ -281,7 +283,7 @@ def test_source_transform_raises(disk, device):
         return batch
 
     got = []
-    with CudaPrefetcher(disk.open(), device=device, batch_size=BS, transform=transform) as pf:
+    with CudaPrefetcher(SourceLoader(disk.open(), batch_size=BS), device=device, transform=transform) as pf:
         with pytest.raises(ArithmeticError, match="batch 2"):
             for b in pf:
                 got.append(keep(b))
@@ -300,7 +302,7 @@ def _consume_and_raise(pf, at):
 @pytest.mark.timeout(30)
 def test_source_consumer_raises(disk, device):
     """The consumer raises while batches are in flight: the thread stops, the next epoch is complete."""
-    with CudaPrefetcher(disk.open(), device=device, batch_size=BS, depth=4) as pf:
+    with CudaPrefetcher(SourceLoader(disk.open(), batch_size=BS), device=device, depth=4) as pf:
         with pytest.raises(KeyError):
             _consume_and_raise(pf, 3)
         t = stopped()  # the for loop's iterator died with the frame: its threads (fetch, readers) stopped
@@ -333,7 +335,7 @@ def _interrupted_next(it, after, how):
 def test_source_ctrl_c_during_next(disk, device, how):
     """SIGINT while the consumer waits in next(): KeyboardInterrupt, thread stops, next epoch works."""
     src = FaultySource(disk.open(), block_row=3 * BS, block_s=0.3)  # the read of batch 3 takes 0.3 s
-    with CudaPrefetcher(src, device=device, batch_size=BS, depth=2) as pf:
+    with CudaPrefetcher(SourceLoader(src, batch_size=BS), device=device, depth=2) as pf:
         it = iter(pf)
         got = [keep(next(it)) for _ in range(3)]
         waited = _interrupted_next(it, 0.15, how)

@@ -21,7 +21,7 @@ import torch
 from _rel import FaultySource, Injected, OnDisk, check_epoch, checked, keep, note
 
 from conftest import wait_no_threads
-from gpufeed import CudaPrefetcher
+from gpufeed import CudaPrefetcher, SourceLoader
 from gpufeed.sources import RawSource, plan_batches
 
 pytestmark = pytest.mark.cuda
@@ -58,7 +58,7 @@ def test_gds_read_raises_mid_epoch(gds):
     disk, make = gds
     src = FaultySource(make(), fail_row=5 * 16 + 3)
     got = []
-    with CudaPrefetcher(src, batch_size=16, depth=3) as pf:
+    with CudaPrefetcher(SourceLoader(src, batch_size=16), depth=3) as pf:
         with pytest.raises(Injected):
             for b in pf:
                 got.append(keep(b))
@@ -74,7 +74,7 @@ def test_gds_file_truncated_mid_epoch(gds):
     disk, make = gds
     src = make()
     got = []
-    with CudaPrefetcher(src, batch_size=16, depth=2) as pf:
+    with CudaPrefetcher(SourceLoader(src, batch_size=16), depth=2) as pf:
         it = iter(pf)
         got += [keep(next(it)) for _ in range(2)]
         os.truncate(disk.late_file, os.path.getsize(disk.late_file) // 2)
@@ -92,7 +92,7 @@ def test_gds_file_truncated_mid_epoch(gds):
 def test_gds_file_deleted_mid_epoch(gds):
     """A file under a GDSSource is deleted mid-epoch: the open handle keeps it; the epoch is exact."""
     disk, make = gds
-    with CudaPrefetcher(make(), batch_size=16, depth=2) as pf:
+    with CudaPrefetcher(SourceLoader(make(), batch_size=16), depth=2) as pf:
         it = iter(pf)
         got = [keep(next(it))]
         os.remove(disk.early_file)
@@ -110,7 +110,7 @@ def test_gds_ctrl_c_during_next(gds):
 
     disk, make = gds
     src = FaultySource(make(), block_row=3 * 16, block_s=0.6)
-    with CudaPrefetcher(src, batch_size=16, depth=2) as pf:
+    with CudaPrefetcher(SourceLoader(src, batch_size=16), depth=2) as pf:
         it = iter(pf)
         [next(it) for _ in range(3)]
         timer = threading.Timer(0.15, _thread.interrupt_main)
@@ -227,7 +227,8 @@ def test_stress_source_slow_consumer(kind, depth, tmp_path):
     if kind != "raw":
         pytest.importorskip("h5py")
     disk = OnDisk(kind, tmp_path, n=960)
-    with CudaPrefetcher(disk.open(), batch_size=32, shuffle=True, depth=depth, chunk_bytes=4096) as pf:
+    with CudaPrefetcher(SourceLoader(disk.open(), batch_size=32, shuffle=True),
+                        depth=depth, chunk_bytes=4096) as pf:
         for epoch in range(3):
             got = []
             for b in pf:
@@ -262,8 +263,8 @@ def test_source_batch_larger_than_the_pinned_budget(row_mib, tmp_path):
     row = row_mib << 20
     x = np.random.default_rng(row_mib).integers(0, 256, (24, row), dtype=np.uint8)
     np.save(tmp_path / "x.npy", x)
-    with CudaPrefetcher(RawSource(tmp_path / "x.npy"), batch_size=8 // row_mib or 1, depth=2,
-                        pinned_budget=2 << 20, chunk_bytes=1 << 20) as pf:
+    with CudaPrefetcher(SourceLoader(RawSource(tmp_path / "x.npy"), batch_size=8 // row_mib or 1),
+                        depth=2, pinned_budget=2 << 20, chunk_bytes=1 << 20) as pf:
         got = [b["x"].cpu() for b in pf]
         assert pf._pool.allocated <= max(2 << 20, row + (1 << 20))  # one chunk of slack: alignment
     assert torch.equal(torch.cat(got), torch.from_numpy(x))
@@ -283,7 +284,7 @@ def test_pinned_budget_zero_falls_back_with_one_warning_in_both_modes(mode, tmp_
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if mode == "source":
-            with CudaPrefetcher(disk.open(), batch_size=16, pinned_budget=0) as pf:
+            with CudaPrefetcher(SourceLoader(disk.open(), batch_size=16), pinned_budget=0) as pf:
                 for epoch in range(2):
                     check_epoch([keep(b) for b in pf], disk.data, plan_batches(disk.n, 16, epoch=epoch))
                 assert pf._pool.allocated == 0
@@ -322,7 +323,7 @@ def test_pinned_allocation_failure_falls_back_with_one_warning(mode, tmp_path, m
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if mode == "source":
-            with CudaPrefetcher(disk.open(), batch_size=16) as pf:
+            with CudaPrefetcher(SourceLoader(disk.open(), batch_size=16)) as pf:
                 check_epoch([keep(b) for b in pf], disk.data, plan_batches(disk.n, 16))
         else:
             data = [{k: torch.from_numpy(v[i : i + 16]) for k, v in disk.data.items()}

@@ -20,7 +20,7 @@ import torch
 from _rel import OnDisk, check_epoch, checked, keep, note, open_fds
 
 from conftest import wait_no_threads
-from gpufeed import CudaPrefetcher
+from gpufeed import CudaPrefetcher, SourceLoader
 from gpufeed._worker import Stopped
 from gpufeed.pinned_pool import PinnedPool
 from gpufeed.sources import RawSource, plan_batches
@@ -35,7 +35,8 @@ def test_cpu_pinned_budget_zero_is_silent(mode, tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if mode == "source":
-            with CudaPrefetcher(disk.open(), device="cpu", batch_size=16, pinned_budget=0) as pf:
+            with CudaPrefetcher(SourceLoader(disk.open(), batch_size=16),
+                                device="cpu", pinned_budget=0) as pf:
                 for epoch in range(2):
                     check_epoch([keep(b) for b in pf], disk.data, plan_batches(disk.n, 16, epoch=epoch))
                 assert pf._pool.allocated == 0
@@ -185,7 +186,7 @@ def test_low_open_files_limit_multi_file_raw_source(tmp_path):
         src = RawSource(paths)  # opens files one at a time to read headers: fits
         result = {}
         try:
-            with CudaPrefetcher(src, device="cpu", batch_size=32) as pf:
+            with CudaPrefetcher(SourceLoader(src, batch_size=32), device="cpu") as pf:
                 for _ in pf:
                     pass
             result["error"] = None
@@ -198,7 +199,7 @@ def test_low_open_files_limit_multi_file_raw_source(tmp_path):
                 break
             time.sleep(0.01)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        with CudaPrefetcher(src, device="cpu", batch_size=32) as pf:
+        with CudaPrefetcher(SourceLoader(src, batch_size=32), device="cpu") as pf:
             values = torch.cat([b["x"][:, 0] for b in pf]).tolist()
         result["after"] = values == [i for i in range(64) for _ in range(4)]
         return result

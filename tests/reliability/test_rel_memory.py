@@ -13,7 +13,7 @@ import torch
 from _rel import KINDS, OnDisk, check_epoch, checked, keep, note, open_fds, rss_bytes
 
 from conftest import wait_no_threads
-from gpufeed import CudaPrefetcher
+from gpufeed import CudaPrefetcher, SourceLoader
 from gpufeed.pinned_pool import PinnedPool
 from gpufeed.sources import plan_batches
 
@@ -44,9 +44,9 @@ class Marks:
             torch.cuda.synchronize(self.device)
             cuda = (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
         pool = self.pf._pool
-        # The reader pool starts its threads on demand, up to num_threads: count them apart.
-        fill = sum(t.name.startswith("gpufeed-fill") for t in threading.enumerate())
-        assert fill <= self.pf.num_threads, (fill, self.pf.num_threads)
+        # A SourceLoader's reader pool starts its threads on demand, up to num_threads: count them apart.
+        fill = sum(t.name.startswith("gpufeed-read") for t in threading.enumerate())
+        assert fill <= getattr(self.pf.source, "num_threads", 0), fill
         self.rows.append({"rss": rss_bytes(), "objects": len(gc.get_objects()), "pool": pool.allocated,
                           "buffers": pool.allocations, "fds": len(open_fds()),
                           "threads": threading.active_count() - fill, "cuda": cuda})
@@ -103,7 +103,8 @@ def test_source_50_epochs_flat(kind, device, tmp_path):
     _needs(kind)
     disk = OnDisk(kind, tmp_path)
     shuffle = "blocks" if kind == "h5-gzip" else True  # random rows through h5py cost 10 ms a batch
-    with CudaPrefetcher(disk.open(), device=device, batch_size=40, shuffle=shuffle, depth=2) as pf:
+    with CudaPrefetcher(SourceLoader(disk.open(), batch_size=40, shuffle=shuffle),
+                        device=device, depth=2) as pf:
         marks = Marks(pf, device)
         for epoch in range(EPOCHS):
             got = [keep(b) for b in pf]
@@ -127,7 +128,7 @@ def test_open_close_leaks_no_descriptor(kind, tmp_path):
 
     def round_trip(i):
         src = disk.open()
-        pf = CudaPrefetcher(src, device="cpu", batch_size=16, shuffle=bool(i % 2))
+        pf = CudaPrefetcher(SourceLoader(src, batch_size=16, shuffle=bool(i % 2)), device="cpu")
         if i % 3 == 0:
             list(pf)
             pf.close()
@@ -168,7 +169,7 @@ def test_dropped_source_releases_its_descriptors_without_gc(kind, tmp_path):
     try:
         for stop_early in (False, True):
             src = disk.open()
-            pf = CudaPrefetcher(src, device="cpu", batch_size=16, shuffle=True)
+            pf = CudaPrefetcher(SourceLoader(src, batch_size=16, shuffle=True), device="cpu")
             for k, _ in enumerate(pf):
                 if stop_early and k == 2:
                     break
@@ -263,7 +264,7 @@ def test_no_reference_cycle_holds_device_objects(end, device, tmp_path):
         if end == "source":
             disk = OnDisk("raw-multi", tmp_path)
             src = disk.open()
-            pf = CudaPrefetcher(src, device=device, batch_size=16, shuffle=True)
+            pf = CudaPrefetcher(SourceLoader(src, batch_size=16, shuffle=True), device=device)
             got = [keep(b) for b in pf]
             check_epoch(got, disk.data, plan_batches(disk.n, 16, shuffle=True))
             pf.close()

@@ -22,7 +22,7 @@ from _rel_datasets import SourceRows, TwoSourceRows
 from torch.utils.data import DataLoader
 
 from conftest import wait_no_threads
-from gpufeed import CudaPrefetcher
+from gpufeed import CudaPrefetcher, SourceLoader
 from gpufeed.sources import plan_batches
 
 HERE = Path(__file__).resolve().parent
@@ -75,10 +75,10 @@ def test_source_in_forked_dataloader_workers(kind, device, tmp_path):
 
 @pytest.mark.timeout(90)
 def test_sources_in_spawned_dataloader_workers(tmp_path, device):
-    """RawSource (several files) and H5Source (gzip, through h5py) in DataLoader workers started by
+    """RawSource (several files) and H5Source (lzf, through h5py) in DataLoader workers started by
     spawn: the sources are pickled (paths only) and each worker opens its own files."""
     pytest.importorskip("h5py")
-    raw, h5 = OnDisk("raw-multi", tmp_path / "raw"), OnDisk("h5-gzip", tmp_path / "h5")
+    raw, h5 = OnDisk("raw-multi", tmp_path / "raw"), OnDisk("h5-lzf", tmp_path / "h5")
     assert np.array_equal(raw.data["x"], h5.data["x"])  # the same rows: one dataset serves both
     loader = DataLoader(TwoSourceRows(raw.open(), h5.open()), batch_size=16, shuffle=True, num_workers=2,
                         multiprocessing_context="spawn", persistent_workers=True)
@@ -111,7 +111,7 @@ def _child(src, data, w):
         out = {k: torch.empty((len(src), *f.shape), dtype=f.dtype) for k, f in src.fields.items()}
         src.read(range(len(src)), out)
         direct = _digest(out[k].numpy() for k in data)
-        with CudaPrefetcher(src, device="cpu", batch_size=32, shuffle=True, seed=7) as pf:
+        with CudaPrefetcher(SourceLoader(src, batch_size=32, shuffle=True, seed=7), device="cpu") as pf:
             batches = list(pf)
         plan = plan_batches(len(src), 32, shuffle=True, seed=7)
         ok = all(np.array_equal(b["y"].numpy(), r) for b, r in zip(batches, plan, strict=True))
@@ -171,7 +171,7 @@ def test_fork_while_prefetcher_thread_alive(kind, device, tmp_path):
     disk = OnDisk(kind, tmp_path)
     src = disk.open()
     plan = plan_batches(disk.n, 16, shuffle=True)
-    with CudaPrefetcher(src, device=device, batch_size=16, shuffle=True, depth=2) as pf:
+    with CudaPrefetcher(SourceLoader(src, batch_size=16, shuffle=True), device=device, depth=2) as pf:
         it = iter(pf)
         got = [keep(next(it)) for _ in range(3)]
         time.sleep(0.1)  # the thread has filled its slots and waits for the consumer
@@ -194,7 +194,7 @@ def test_fork_while_a_read_is_in_flight(kind, tmp_path):
     _needs(kind)
     disk = OnDisk(kind, tmp_path)
     src = FaultySource(disk.open(), block_row=5 * 16, block_s=0.5)
-    with CudaPrefetcher(src, device="cpu", batch_size=16, depth=4) as pf:
+    with CudaPrefetcher(SourceLoader(src, batch_size=16), device="cpu", depth=4) as pf:
         it = iter(pf)
         got = [keep(next(it)) for _ in range(3)]
         time.sleep(0.1)  # the read of batch 5 is in flight (held for 0.5 s)
@@ -210,13 +210,13 @@ def test_fork_while_a_read_is_in_flight(kind, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_fork_while_an_h5py_read_holds_its_lock(tmp_path):
-    """os.fork while another thread is inside an h5py-path read (gzip), holding H5Source's h5py lock: the
+    """os.fork while another thread is inside an h5py-path read (lzf), holding H5Source's h5py lock: the
     child's reads of the same file must not wait for a lock no thread of the child will release
     (regression: finding 3)."""
     pytest.importorskip("h5py")
     from gpufeed.sources import h5 as h5mod
 
-    disk = OnDisk("h5-gzip", tmp_path)
+    disk = OnDisk("h5-lzf", tmp_path)
     src = disk.open()
     held, release = threading.Event(), threading.Event()
 
@@ -272,8 +272,8 @@ def test_two_prefetchers_over_one_file(kind, shared, device, tmp_path):
     def run(seed, epochs):
         try:
             src = one if shared else disk.open()
-            with CudaPrefetcher(src, device=device, batch_size=16 + seed, shuffle=True, seed=seed,
-                                depth=3) as pf:
+            with CudaPrefetcher(SourceLoader(src, batch_size=16 + seed, shuffle=True, seed=seed),
+                                device=device, depth=3) as pf:
                 for epoch in range(epochs):
                     got = [keep(b) for b in pf]
                     check_epoch(got, disk.data, plan_batches(disk.n, 16 + seed, shuffle=True, seed=seed,
@@ -306,7 +306,7 @@ def test_closing_one_prefetcher_leaves_a_shared_source_readable(kind, tmp_path):
 
     def long_running():
         try:
-            with CudaPrefetcher(src, depth=3, batch_size=8, device="cpu") as pf:
+            with CudaPrefetcher(SourceLoader(src, batch_size=8), depth=3, device="cpu") as pf:
                 for epoch in range(6):
                     check_epoch([keep(b) for b in pf], disk.data, plan_batches(disk.n, 8, epoch=epoch))
         except BaseException as exc:
@@ -318,7 +318,8 @@ def test_closing_one_prefetcher_leaves_a_shared_source_readable(kind, tmp_path):
     t.start()
     rounds = 0
     while not done.is_set():
-        with CudaPrefetcher(src, device="cpu", batch_size=8, shuffle=True, seed=rounds) as short:
+        with CudaPrefetcher(SourceLoader(src, batch_size=8, shuffle=True, seed=rounds),
+                            device="cpu") as short:
             next(iter(short))
         with open(disk.early_file, "rb"):  # an unrelated open() may take a descriptor number just freed
             pass

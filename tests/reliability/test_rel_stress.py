@@ -22,7 +22,7 @@ from _rel import checked, note, plan_rows
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpufeed import CudaPrefetcher
+from gpufeed import CudaPrefetcher, SourceLoader
 from gpufeed.sources import RawSource, plan_batches
 
 Pair = namedtuple("Pair", "a b")
@@ -286,8 +286,9 @@ def test_random_sources_many_prefetchers(kind, n, fields, jobs, data_seed, delay
 
             def make(bs=bs, shuffle=shuffle, drop_last=drop_last, depth=depth, seed=seed, share=share):
                 src = shared if share else opener()
-                pf = CudaPrefetcher(src, device=device, depth=depth, batch_size=bs, shuffle=shuffle,
-                                    drop_last=drop_last, seed=seed, chunk_bytes=4096)
+                pf = CudaPrefetcher(SourceLoader(src, batch_size=bs, shuffle=shuffle, drop_last=drop_last,
+                                                 seed=seed),
+                                    device=device, depth=depth, chunk_bytes=4096)
                 return TwoEpochs(pf)
 
             work.append((make, expected, total, delays))
@@ -303,21 +304,21 @@ def staged_epoch(src, plan, budget, chunk, threads, stop):
     pinned pool (host memory here), reads on worker threads, each batch starting its successor's reads.
     On the GPU machine this path runs for real; here it runs with ``stream=None``."""
     from gpufeed._copier import Copier
-    from gpufeed._source_batch import _Chain
+    from gpufeed._source_batch import EpochReads
     from gpufeed.pinned_pool import PinnedPool
     from gpufeed.stats import PrefetchStats
 
     pool = PinnedPool(budget, chunk, pin=False)
-    copier = Copier(torch.device("cpu"), None, pool, PrefetchStats(), None, threads)
+    copier = Copier(torch.device("cpu"), None, pool, PrefetchStats(), None)
+    chain = EpochReads(src, plan, threads)
     try:
-        chain = _Chain(src, plan)
         for i in range(len(plan)):
             batch = chain.get(i)
             out = {k: torch.empty((len(batch.rows), *f.shape), dtype=f.dtype) for k, f in src.fields.items()}
             batch._read_staged(copier, out, stop)
             yield out
-        chain.cancel()
     finally:
+        chain.cancel()
         copier.finish()
     assert sum(b.nbytes for b in pool._free) == pool.allocated  # every buffer came back
     assert pool.allocated <= max(pool.budget, max((b.nbytes for b in pool._free), default=0))

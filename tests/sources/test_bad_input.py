@@ -329,13 +329,14 @@ def test_a_missing_path_is_named_without_a_field_the_user_never_named(tmp_path):
 
 def test_a_read_that_fails_in_the_os_names_the_file(tmp_path):
     """The file replaced by a directory after opening: the error the consumer gets names the file."""
-    from gpufeed import CudaPrefetcher
+    from gpufeed import CudaPrefetcher, SourceLoader
 
     path = tmp_path / "x.npy"
     np.save(path, np.arange(4000, dtype=np.float32).reshape(1000, 4))
     src = RawSource(path)
     path.unlink()
     path.mkdir()
-    with pytest.raises(IsADirectoryError) as err, CudaPrefetcher(src, device="cpu", batch_size=100) as pf:
+    with pytest.raises(IsADirectoryError) as err, CudaPrefetcher(SourceLoader(src, batch_size=100),
+                                                                 device="cpu") as pf:
         list(pf)
     assert err.value.filename == str(path) and str(path) in str(err.value)

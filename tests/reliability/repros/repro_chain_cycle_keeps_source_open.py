@@ -21,7 +21,7 @@ import weakref
 
 import numpy as np
 
-from gpufeed import CudaPrefetcher
+from gpufeed import CudaPrefetcher, SourceLoader
 from gpufeed.sources import RawSource
 
 
@@ -39,7 +39,7 @@ def main() -> int:
     before = fds()
     src = RawSource(paths)
     ref = weakref.ref(src)
-    pf = CudaPrefetcher(src, device="cpu", batch_size=16)
+    pf = CudaPrefetcher(SourceLoader(src, batch_size=16), device="cpu")
     n = sum(1 for _ in pf)
     pf.close()
     del pf, src

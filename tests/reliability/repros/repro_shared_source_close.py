@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from gpufeed import CudaPrefetcher
+from gpufeed import CudaPrefetcher, SourceLoader
 from gpufeed.sources import RawSource
 
 
@@ -40,7 +40,7 @@ def main() -> int:
     def long_running():  # e.g. the training prefetcher
         nonlocal wrong, batches
         try:
-            with CudaPrefetcher(src, device="cpu", batch_size=64, depth=4) as pf:
+            with CudaPrefetcher(SourceLoader(src, batch_size=64), device="cpu", depth=4) as pf:
                 for _ in range(4):
                     for b in pf:
                         rows = np.arange(int(b["x"][0, 0]) // 64, int(b["x"][0, 0]) // 64 + len(b["x"]))
@@ -53,7 +53,8 @@ def main() -> int:
     t.start()
     deadline = time.monotonic() + 20
     while t.is_alive() and time.monotonic() < deadline:
-        with CudaPrefetcher(src, device="cpu", batch_size=64) as short:  # e.g. a quick eval pass
+        with CudaPrefetcher(SourceLoader(src, batch_size=64),
+                            device="cpu") as short:  # e.g. a quick eval pass
             next(iter(short))
         with open(os.path.join(d, "other.npy"), "rb"):  # any open() may reuse the closed descriptor number
             pass

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpufeed import CudaPrefetcher
+from gpufeed import CudaPrefetcher, SourceLoader
 from gpufeed.pinned_pool import PinnedPool
 from gpufeed.sources import RawSource
 
@@ -42,7 +42,7 @@ def main() -> int:
         np.save(d / "x.npy", np.zeros((256, 4096), np.uint8))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with CudaPrefetcher(RawSource(d / "x.npy"), batch_size=64, pinned_budget=0) as pf:
+            with CudaPrefetcher(SourceLoader(RawSource(d / "x.npy"), batch_size=64), pinned_budget=0) as pf:
                 for _ in pf:
                     pass
                 pinned = pf._pool.allocated

@@ -1,0 +1,171 @@
+"""SourceLoader: batch, shuffle and shard a BatchSource, as a DataLoader does a Dataset.
+
+A :class:`SourceLoader` owns every decision about which rows make up each batch (``batch_size``,
+``shuffle``, ``drop_last``, ``seed``, the rank's shard, ``pad``) and the epoch and resume position.
+Iterating it yields :class:`ReadRequest` objects; a :class:`~gpufeed.CudaPrefetcher` wrapping it has each
+request read straight into its pinned and device buffers.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from gpufeed._copier import Copier, Delivered
+    from gpufeed.sources.base import BatchSource, Rows
+
+STATE_VERSION = 1
+
+
+class ReadRequest(abc.ABC):
+    """One batch that reads itself to the device: what a :class:`SourceLoader` yields.
+
+    The protocol between a loader of a source and :class:`~gpufeed.CudaPrefetcher`: when the
+    prefetcher's background thread takes a ``ReadRequest`` from the loader it wraps, it calls
+    :meth:`read` instead of copying the item's tensors. ``read`` may use these members of the copier:
+    ``device``, ``stream`` (the copy stream, already the calling thread's current stream; ``None`` on
+    the CPU), ``pool`` (pinned buffers, refilled only after the copy that read them completed),
+    ``stats``, ``trace``, ``pinned_ok()``, and ``begin()`` / ``seal()``, which time the batch's copies
+    and record the event that the consumer's stream waits on. ``rows`` are the source rows of the batch.
+    """
+
+    rows: Rows
+
+    @abc.abstractmethod
+    def read(self, copier: Copier, stop: threading.Event) -> Delivered:
+        """Read the batch into device tensors (host tensors on the CPU) and return it sealed."""
+
+
+class SourceLoader:
+    """Batches of a :class:`~gpufeed.BatchSource`: the rows of each batch, read by the prefetcher.
+
+    The source-side counterpart of a ``DataLoader``: wrap it in a :class:`~gpufeed.CudaPrefetcher`,
+    which reads each batch straight into pinned and device buffers on its background thread::
+
+        loader = SourceLoader(H5Source("train.h5"), batch_size=256, shuffle=True)
+        for batch in CudaPrefetcher(loader):        # batch["x"] is on the GPU
+            ...
+
+    Each new iteration is a new epoch (a new shuffle) unless :meth:`set_epoch` chose one;
+    :meth:`state_dict` is the position after the last batch this loader yielded (a prefetcher records
+    the one after the batch its consumer received, and resumes there).
+
+    Args:
+        source: the BatchSource to read (``RawSource``, ``H5Source``, ``GDSSource`` or your own).
+        batch_size: samples per batch, >= 1.
+        shuffle: ``False``, ``True`` (a new permutation of the samples each epoch), or ``"blocks"``
+            (batch-sized blocks of consecutive samples in a random order: each batch is one sequential
+            read, for slow disks).
+        drop_last: drop a short last round of batches, so that every batch holds ``batch_size`` samples.
+        seed: the shuffle's seed, combined with the epoch; the same on every rank.
+        rank, world_size: this process's shard (default: from ``torch.distributed`` when initialized).
+        pad: repeat samples so that every rank gets as many batches as the others (see
+            :func:`gpufeed.sources.plan_batches`).
+        num_threads: reader threads (default: up to 8).
+
+    """
+
+    def __init__(self, source: BatchSource, batch_size: int, *, shuffle: bool | str = False,
+                 drop_last: bool = False, seed: int = 0, rank: int | None = None,
+                 world_size: int | None = None, pad: bool = False, num_threads: int | None = None) -> None:
+        from gpufeed.sources.base import BatchSource
+
+        if not isinstance(source, BatchSource):
+            raise TypeError(f"SourceLoader reads a BatchSource (RawSource, H5Source, GDSSource ...); got "
+                            f"{type(source).__name__}: wrap a Dataset in a DataLoader instead")
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"SourceLoader: batch_size must be an int >= 1, got {batch_size!r}")
+        if shuffle not in (False, True, "blocks"):
+            raise ValueError(f"SourceLoader: shuffle must be False, True or 'blocks', got {shuffle!r}")
+        if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
+            raise ValueError(f"SourceLoader: num_threads must be an int >= 1, got {num_threads!r}")
+        if rank is None and world_size is None and _dist_ready():
+            rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        rank, world_size = rank or 0, world_size or 1
+        if not 0 <= rank < world_size:
+            raise ValueError(f"SourceLoader: rank must be in [0, world_size={world_size}), got {rank}")
+        self.source = source
+        self.batch_size = batch_size
+        self.num_threads = num_threads or min(8, os.cpu_count() or 1)  # docs/design.md: why 8 readers
+        self.config = dict(batch_size=batch_size, shuffle=shuffle, drop_last=bool(drop_last), seed=int(seed),
+                           rank=rank, world_size=world_size, pad=bool(pad))
+        self.epoch = 0
+        self._epoch_set = False
+        self._started = False  # an iteration has yielded a batch: the next one is a new epoch
+        self._resume: tuple[int, int] | None = None
+        self._pos = {"epoch": 0, "batch": 0}
+
+    def plan(self, epoch: int | None = None) -> list[Rows]:
+        """The rows of every batch of ``epoch`` (default: the current one) for this rank."""
+        from gpufeed.sources.sampling import plan_batches
+
+        c = self.config
+        return plan_batches(len(self.source), c["batch_size"], shuffle=c["shuffle"], drop_last=c["drop_last"],
+                            seed=c["seed"], epoch=self.epoch if epoch is None else epoch, rank=c["rank"],
+                            world_size=c["world_size"], pad=c["pad"])
+
+    def __len__(self) -> int:
+        return len(self.plan())
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch (the shuffle) of the next iteration."""
+        self.epoch, self._epoch_set = int(epoch), True
+
+    def __iter__(self) -> Iterator[ReadRequest]:
+        start = 0
+        if self._resume is not None:
+            (self.epoch, start), self._resume = self._resume, None
+        elif self._started and not self._epoch_set:
+            self.epoch += 1
+        self._epoch_set = self._started = False
+        self._pos = {"epoch": self.epoch, "batch": start}
+        return self._batches(self.epoch, start)
+
+    def _batches(self, epoch: int, start: int) -> Iterator[ReadRequest]:
+        from gpufeed._source_batch import EpochReads
+
+        reads = EpochReads(self.source, self.plan(epoch), self.num_threads)
+        try:
+            for i in range(start, len(reads.plan)):
+                self._pos = {"epoch": epoch, "batch": i + 1}  # taken by state_dict() right after the yield
+                self._started = True
+                yield reads.get(i)
+        finally:  # stopped, failed or done: reads already started for a batch never delivered end here
+            reads.cancel()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch yielded, and the configuration it is valid for."""
+        return {"gpufeed_source_loader": STATE_VERSION, **self._pos, "num_samples": len(self.source),
+                "config": dict(self.config)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next iteration yields the batches after that position."""
+        if not isinstance(state, dict) or state.get("gpufeed_source_loader") != STATE_VERSION:
+            raise ValueError("not a SourceLoader state_dict (expected one from SourceLoader.state_dict() "
+                             f"version {STATE_VERSION})")
+        mine = {**self.config, "num_samples": len(self.source)}
+        theirs = {**state.get("config", {}), "num_samples": state.get("num_samples")}
+        diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+        if diff:
+            what = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            raise ValueError(f"this state was saved with another configuration ({what}); "
+                             "resume with the same source, batch_size, shuffle, seed, drop_last and ranks")
+        epoch, start = int(state["epoch"]), int(state["batch"])
+        if start >= len(self.plan(epoch)):  # the epoch was complete: resume at the next one
+            epoch, start = epoch + 1, 0
+        self._resume = (epoch, start)
+        self.epoch, self._pos = epoch, {"epoch": epoch, "batch": start}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
+        return f"SourceLoader({self.source!r}, {args})"
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
