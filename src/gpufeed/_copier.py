@@ -153,7 +153,7 @@ class Copier:
     def begin(self) -> torch.cuda.Event | None:
         """Account the batches whose copies completed; for a timed batch, record the start of its copies."""
         self._collect()
-        timed = self._count % TIME_EVERY == 0
+        timed = self._count % TIME_EVERY == 1  # not an epoch's first batch, which pays the start-up
         self._count += 1
         if not timed:
             return None

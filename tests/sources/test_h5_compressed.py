@@ -296,8 +296,12 @@ def test_missing_nvcomp_falls_back_to_threads_with_one_warning(tmp_path, monkeyp
                           "pip install 'gpufeed[nvcomp]'")
 
     monkeypatch.setattr(_nvcomp, "load", missing)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        auto = H5Source(tmp_path / "z.h5", decode="auto")  # the reader threads, nvCOMP or not: no warning
+    assert auto.paths_taken["x"] == "gzip-cpu"
     with pytest.warns(RuntimeWarning, match=r"decoded by reader threads.*gpufeed\[nvcomp\]"):
-        src = H5Source(tmp_path / "z.h5", decode="auto")
+        src = H5Source(tmp_path / "z.h5", decode="gpu")
     assert src.paths_taken["x"] == "gzip-cpu" and src.reads_to == "host" and src.fork_safe
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -30,10 +30,12 @@ _WARN_LOCK = threading.Lock()
 def use_gpu(decode: str, where: str) -> bool:
     """Whether gzip chunks are decoded on the GPU, for ``H5Source(decode=...)``.
 
-    ``"cpu"``: never. ``"auto"`` and ``"gpu"``: when CUDA and nvCOMP are there; a missing nvCOMP (or, for
-    ``"gpu"``, a missing CUDA) warns once per process and falls back to the CPU threads, never an error.
+    Only with ``"gpu"``, and only where CUDA and nvCOMP are there: a missing one warns once per process and
+    falls back to the CPU threads, never an error. ``"auto"`` is the reader threads: nvCOMP inflates each
+    chunk's deflate stream serially on one warp, so HDF5's few large chunks per batch leave the GPU mostly
+    idle, and the threads were faster (docs/design.md).
     """
-    if decode == "cpu":
+    if decode != "gpu":
         return False
     if not torch.cuda.is_available():
         if decode == "gpu":

@@ -88,10 +88,11 @@ class H5Source(HostFileSource):
         fields: dataset names (``["images", "labels"]``; a name like ``"grp/x"`` becomes field
             ``"grp/x"``), or ``{field name: dataset path}``. ``None``: every dataset of the first file.
         use_offsets: ``False`` reads everything through h5py (for comparison and debugging).
-        decode: where gzip chunks are decoded: ``"auto"`` (the GPU when CUDA and nvCOMP are there),
-            ``"gpu"`` (the same, said out loud) or ``"cpu"`` (reader threads). A missing nvCOMP (or CUDA, for
-            ``"gpu"``) warns once and decodes on the CPU. With GPU decoding the source reads to the device:
-            its other fields are read into pinned memory and copied by the read itself.
+        decode: where gzip chunks are decoded: ``"auto"`` and ``"cpu"``: the reader threads (zlib, in
+            parallel); ``"gpu"``: nvCOMP on the GPU (``pip install 'gpufeed[nvcomp]'``), which leaves the CPU
+            to other work but is faster only with many chunks per batch (docs/design.md has the figures). A
+            missing nvCOMP or CUDA warns once and decodes on the CPU. With GPU decoding the source reads to
+            the device: its other fields are read into pinned memory and copied by the read itself.
         mmap_gather: gather shuffled batches from memory maps, as for ``RawSource`` (opt-in: a file
             truncated while mapped kills the process with SIGBUS). It applies to the fields read by byte
             offset in every file; the others (gzip chunks decoded here, h5py) keep their path. ValueError
