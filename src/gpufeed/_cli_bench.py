@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -39,6 +40,14 @@ DEFAULT_SIZE_CPU = "256MiB"
 DEFAULT_SIZE_CUDA = "4GiB"
 DEFAULT_BATCH_SIZE = 2048  # rows: 8 MiB of x per batch
 WRITE_BLOCK_BYTES = 64 << 20
+
+#: What a run without a GPU can and cannot show, printed before its numbers and stored in bench.json.
+CPU_NOTE = (
+    "no GPU: this run measures reading and batching on the CPU only (every batch lands in host memory);",
+    "copies to the device, pinned memory and overlap with GPU compute are not measured.",
+    "On a machine with few cores, the reader threads and torch's own threads (the sum each method runs",
+    "on every batch) share them; run on a GPU machine for the comparison gpufeed is built for.",
+)
 
 #: (key, label) in the order they run; labels may be completed at run time (workers, GDS mode).
 METHODS = (
@@ -218,8 +227,8 @@ def _header(cfg: Config, out: TextIO) -> None:
         f"y int64 [{cfg.rows}]), batch {cfg.batch_size} rows ({format_bytes(batch_bytes)}), "
         f"{cfg.batches} batches, {where}", out)
     if cfg.device.type != "cuda":
-        say("  note: no CUDA device: running on the CPU, so these numbers measure the read path only "
-            "(no host-to-device copy); run on a GPU machine for the real comparison", out)
+        for line in CPU_NOTE:
+            say(f"  {line}", out)
 
 
 def _warm_device(device: torch.device) -> None:
@@ -246,8 +255,7 @@ def write_dataset(path: str, rows: int) -> str:
             b = min(rows, a + block)
             x[a:b] = pattern[: b - a]
             y[a:b] = np.arange(a, b, dtype=np.int64)
-    # Finish the write-back before timing, so no method's reads compete with it. (On an H200 machine
-    # every method still ran at about 3 GB/s with this in place: write-back was not why; see issue 4.)
+    # Finish the write-back before timing, so no method's reads compete with it.
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -449,6 +457,7 @@ def run_methods(cfg: Config, progress: TextIO) -> list[Result]:
 
 
 def _measure(cfg: Config, key: str, label: str) -> Result:
+    gc.collect()  # a full collection of earlier methods' garbage would land in this method's time
     t0 = time.perf_counter()
     try:
         meter, name, extra = _RUNNERS[key](cfg)
@@ -491,6 +500,7 @@ def report(cfg: Config, results: list[Result]) -> dict[str, Any]:
         "device": str(cfg.device),
         "device_name": torch.cuda.get_device_name(cfg.device) if cuda else platform.processor() or "cpu",
         "cuda": cuda,
+        "note": "" if cuda else " ".join(CPU_NOTE),
         "config": {
             "size_bytes": cfg.nbytes,
             "rows": cfg.rows,
@@ -527,7 +537,7 @@ def _verdict(doc: dict[str, Any]) -> str:
         return "no method ran"
     best = max(ok, key=lambda m: m["GBps"])
     speed = f", {best['speedup']:.1f}x the naive loop" if best["speedup"] is not None else ""
-    note = "" if doc["cuda"] else " (CPU only: read path, no H2D copy)"
+    note = "" if doc["cuda"] else " (no GPU: reading and batching on the CPU only, no copy to a device)"
     return f"fastest: {best['name']} at {best['GBps']:.2f} GB/s{speed}{note}"
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from gpufeed import _nvtx
+from gpufeed._host_buffers import HostBuffers
 from gpufeed._tracing import TraceRecorder
 from gpufeed._tree import flatten
 from gpufeed.pinned_pool import PinnedPool
@@ -69,10 +70,11 @@ class Copier:
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream | None, pool: PinnedPool,
                  stats: PrefetchStats, transform: Callable[[Any], Any] | None,
-                 trace: TraceRecorder | None = None) -> None:
+                 trace: TraceRecorder | None = None, host: HostBuffers | None = None) -> None:
         self.device = device
         self.stream = stream
         self.pool = pool
+        self.host = host if host is not None else HostBuffers(slots=4)  # a prefetcher passes its own
         self.stats = stats
         self.transform = transform
         self.trace = trace

@@ -5,8 +5,8 @@ field's region cache-line aligned) and each chunk as *pieces* (rows ``[a, b)``: 
 worker thread). :meth:`SourceBatch.start` takes pinned buffers, binds every piece to its views and
 submits the reads; :meth:`SourceBatch.read` waits for them chunk by chunk and copies each chunk to the
 device on the copy stream. Once a batch has all its reads submitted it starts its successor's, so the
-readers never idle while the background thread finishes a batch (measured on an H200 machine: the gap
-between batches, about 1 ms of a 4 ms batch, was a third of the time).
+readers never idle while the background thread finishes a batch (docs/design.md, "Reading a
+BatchSource").
 
 Invariants: a batch starts its successor only after all of its own chunks hold buffers, and a start
 that finds the pool empty stops (it never blocks), so a successor can never hold buffers the current
@@ -168,7 +168,10 @@ class SourceBatch(ReadRequest):
         host = copier.stream is None or getattr(self.source, "reads_to", "host") == "device"
         dev = copier.device if copier.stream is not None else torch.device("cpu")
         start = copier.begin() if copier.stream is not None else None
-        out = {k: torch.empty((n, *f.shape), dtype=f.dtype, device=dev) for k, f in fields.items()}
+        if dev.type == "cpu":  # reused host tensors: their pages are mapped already
+            out = copier.host.take(fields, n)
+        else:
+            out = {k: torch.empty((n, *f.shape), dtype=f.dtype, device=dev) for k, f in fields.items()}
         if host:  # the CPU path, or a source that reads straight into device memory (GDS)
             if dev.type == "cuda":
                 copier.stream.synchronize()  # fence: no queued copy-stream work touches these blocks

@@ -17,6 +17,7 @@ import torch
 
 from gpufeed import _nvtx, _worker
 from gpufeed._copier import Copier, Delivered
+from gpufeed._host_buffers import HostBuffers
 from gpufeed._static import StaticBuffers
 from gpufeed._tracing import TraceRecorder
 from gpufeed._wrapped import WrappedLoader
@@ -116,6 +117,8 @@ class CudaPrefetcher:
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         budget = DEFAULT_PINNED_BUDGET if pinned_budget is None else int(pinned_budget)
         self._pool = PinnedPool(budget, chunk_bytes, pin=self._cuda)
+        # CPU batches: ``depth`` queued, one being read, and the one or two the loop still holds.
+        self._host = HostBuffers(slots=depth + 3)
         self._static = StaticBuffers() if static else None
         if trace is None:
             trace = os.environ.get("GPUFEED_TRACE", "0") not in ("", "0", "false", "no")
@@ -208,6 +211,7 @@ class CudaPrefetcher:
         if it is not None:
             it._shutdown("the CudaPrefetcher was closed")
         self._pool.clear()
+        self._host.clear()
         self._loader.close()
 
     def __enter__(self) -> CudaPrefetcher:
@@ -227,7 +231,8 @@ class CudaPrefetcher:
     def _copier(self) -> Copier:
         # A copier and its reader threads belong to one epoch (they end with its fetch thread), so break,
         # an error or Ctrl-C leaves no gpufeed thread behind; pinned buffers live on in the pool.
-        return Copier(self.device, self._stream, self._pool, self.stats, self.transform, self._trace)
+        return Copier(self.device, self._stream, self._pool, self.stats, self.transform, self._trace,
+                      host=self._host)
 
 
 class _EpochIterator:

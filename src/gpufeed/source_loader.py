@@ -31,7 +31,8 @@ class ReadRequest(abc.ABC):
     :meth:`read` instead of copying the item's tensors. ``read`` may use these members of the copier:
     ``device``, ``stream`` (the copy stream, already the calling thread's current stream; ``None`` on
     the CPU), ``pool`` (pinned buffers, refilled only after the copy that read them completed),
-    ``stats``, ``trace``, ``pinned_ok()``, and ``begin()`` / ``seal()``, which time the batch's copies
+    ``host`` (host tensors for CPU batches, reused only once nothing else references them), ``stats``,
+    ``trace``, ``pinned_ok()``, and ``begin()`` / ``seal()``, which time the batch's copies
     and record the event that the consumer's stream waits on. ``rows`` are the source rows of the batch.
     """
 
