@@ -251,3 +251,47 @@ def test_seal_fences_the_tensors_of_the_transform_output():
     out = copier.seal({"x": torch.zeros(2)}, [], None)
     assert [t.tolist() for t in out.fresh] == [[1.0, 1.0], [0.0, 0.0]]
     assert out.batch[1] == "tag"
+
+
+def test_a_source_loader_yields_read_requests_of_the_plan_and_advances_its_epoch():
+    from gpufeed import ReadRequest
+
+    loader = SourceLoader(ArraySource(), batch_size=25, shuffle=True, seed=8)
+    assert len(loader) == 5 and loader.batch_size == 25
+    for epoch in range(2):
+        reqs = list(loader)
+        assert all(isinstance(r, ReadRequest) for r in reqs)
+        plan = plan_batches(103, 25, shuffle=True, seed=8, epoch=epoch)
+        rows = [np.asarray(list(r.rows)).tolist() for r in reqs]
+        assert rows == [np.asarray(list(p)).tolist() for p in plan]
+    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["batch"] == 5
+
+
+def test_a_source_loader_resumes_after_the_last_batch_yielded():
+    loader = SourceLoader(ArraySource(), batch_size=25, shuffle=True, seed=8)
+    it = iter(loader)
+    head = [next(it).rows for _ in range(2)]
+    state = loader.state_dict()
+    again = SourceLoader(ArraySource(), batch_size=25, shuffle=True, seed=8)
+    again.load_state_dict(state)
+    rest = [r.rows for r in again]
+    plan = plan_batches(103, 25, shuffle=True, seed=8, epoch=0)
+    assert [np.asarray(list(r)).tolist() for r in head + rest] == [np.asarray(list(p)).tolist() for p in plan]
+    with pytest.raises(ValueError, match="batch_size: saved 25, now 26"):
+        SourceLoader(ArraySource(), batch_size=26).load_state_dict(state)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"batch_size": 0}, ValueError, "batch_size must be an int >= 1, got 0"),
+    ({"batch_size": 4, "shuffle": "rows"}, ValueError, "shuffle must be False, True or 'blocks'"),
+    ({"batch_size": 4, "num_threads": 0}, ValueError, "num_threads must be an int >= 1, got 0"),
+    ({"batch_size": 4, "rank": 2, "world_size": 2}, ValueError, r"rank must be in \[0, world_size=2\)"),
+])
+def test_source_loader_arguments_are_checked(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SourceLoader(ArraySource(), **kwargs)
+
+
+def test_a_source_loader_reads_only_a_batch_source():
+    with pytest.raises(TypeError, match=r"SourceLoader reads a BatchSource.*got list"):
+        SourceLoader([1, 2, 3], batch_size=2)
