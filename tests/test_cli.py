@@ -117,8 +117,10 @@ def test_bench_cpu_writes_json_with_every_method(bench_cpu):
     rc, stdout, stderr, out = bench_cpu
     assert rc == 0, stderr + stdout
     doc = json.loads((out / "bench.json").read_text())
-    assert set(doc) == {"gpufeed", "torch", "python", "device", "device_name", "cuda", "config", "methods"}
+    assert set(doc) == {"gpufeed", "torch", "python", "device", "device_name", "cuda", "note", "config",
+                        "methods"}
     assert doc["device"] == "cpu" and doc["cuda"] is False
+    assert doc["note"] == " ".join(_cli_bench.CPU_NOTE)
     rows = (8 << 20) // ROW
     assert doc["config"] == {
         "size_bytes": rows * ROW, "rows": rows, "row_bytes": ROW, "batch_size": 512,
@@ -154,10 +156,15 @@ def test_bench_cpu_prints_progress_table_and_files(bench_cpu):
     assert lines[0].startswith(
         f"gpufeed bench: 8 MiB synthetic HDF5 (x float32 [{rows}, 1024], y int64 [{rows}]), "
         "batch 512 rows (2 MiB), 4 batches, device cpu")
-    if CPU_ONLY:
-        assert lines[1] == (
-            "  note: no CUDA device: running on the CPU, so these numbers measure the read path "
-            "only (no host-to-device copy); run on a GPU machine for the real comparison")
+    if CPU_ONLY:  # what a CPU run can and cannot show, said before any figure
+        assert lines[1:5] == [
+            "  no GPU: this run measures reading and batching on the CPU only (every batch lands in host "
+            "memory);",
+            "  copies to the device, pinned memory and overlap with GPU compute are not measured.",
+            f"  {_cli_bench.CPU_NOTE[2]}",
+            f"  {_cli_bench.CPU_NOTE[3]}",
+        ]
+        assert lines[-2].endswith("(no GPU: reading and batching on the CPU only, no copy to a device)")
     progress = [line for line in lines if re.match(r"  \[\d/5\] ", line)]
     assert [p.split("] ")[1][:34].rstrip() for p in progress] == [
         "naive h5py + .to()", "DataLoader (1 workers) + .to()", "gpufeed(DataLoader, 1 workers)",

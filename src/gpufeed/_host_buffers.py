@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from typing import Any
@@ -52,11 +53,12 @@ class HostBuffers:
         self.slots = slots
         self._all: list[_Slot] = []
         self._lock = threading.Lock()  # epochs of one prefetcher may overlap while one shuts down
+        self._pid = os.getpid()
 
     def take(self, fields: Any, n: int) -> dict[str, torch.Tensor]:
         """Tensors of ``n`` rows for every field of ``fields`` (name -> ``.shape``, ``.dtype``)."""
         layout = tuple((k, f.dtype, tuple(f.shape)) for k, f in fields.items())
-        with self._lock:  # the views are made inside: they are what marks the slot busy
+        with self._guard():  # the views are made inside: they are what marks the slot busy
             slot = self._find(layout, n, fields)
             if slot is not None:
                 return slot.views(fields, n)
@@ -75,6 +77,10 @@ class HostBuffers:
         self._all.append(slot)
         return slot
 
+    def _guard(self) -> threading.Lock:
+        if self._pid != os.getpid():  # a forked child: the lock may be held by a thread it does not have
+            self._pid, self._lock, self._all = os.getpid(), threading.Lock(), []
+        return self._lock
+
     def clear(self) -> None:
-        with self._lock:
-            self._all.clear()
+        self._all = []  # no lock: a forked child's atexit close must not wait on its parent's threads
