@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="gpufeed-bench", help="folder for bench.json and bench.png")
     p.add_argument("--json", action="store_true", help="print bench.json to stdout (progress goes to stderr)")
     p.add_argument("--no-chart", action="store_true", help="do not write bench.png")
-    p.add_argument("--workers", type=int, default=2, help="DataLoader num_workers (default 2)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="DataLoader num_workers (default: half the CPUs, at most 8, as a user sizes them)")
     p.add_argument("--depth", type=int, default=2, help="gpufeed prefetch depth (default 2)")
     p.add_argument("--methods", default=",".join(METHOD_KEYS),
                    help=f"comma-separated subset of: {', '.join(METHOD_KEYS)}")
@@ -188,6 +189,8 @@ def _config(args: argparse.Namespace) -> Config:
         raise CLIError(f"--size {size_text} is smaller than one row ({row_bytes} bytes); use e.g. 8MiB")
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.workers is None:
+        args.workers = min(8, max(1, (os.cpu_count() or 2) // 2))
     if args.workers < 0:
         raise CLIError(f"--workers must be >= 0, got {args.workers}")
     if args.depth < 1:
