@@ -31,11 +31,19 @@ Methods:
 ``frac_of_ceiling`` divides by the ``pread16_ceiling`` of the same cache state. Cold rows drop the files from
 the page cache before each epoch (``posix_fadvise DONTNEED`` per file, and ``/proc/sys/vm/drop_caches``
 when writable, except in ``--smoke`` runs); the JSON says which worked and how much of the files stayed
-cached. The ``*_shuffled`` workload reads random batches (``shuffle=True``: sorted random rows, one
-``pread`` per run). On CUDA, the ``compute`` workload adds a matmul loop on the default stream that takes
-about 1.2x the method's own warm time per batch and reports ``step_over_compute`` (1.0 = reading hidden
-behind compute). ``*_read16`` rows are diagnostics: the ceiling's loop with ``source.read`` from 16
-threads in place of ``preadv``, no prefetcher, to tell a source's cost from the prefetcher's.
+cached. The ``shuffled_<row size>`` workloads read random batches (``shuffle=True``: sorted random rows, one
+``pread`` per run) of the same bytes seen as rows of 512 B, 4 KiB and 12 KiB (``--smoke``: 256 B and 768 B),
+warm and cold, each beside ``pread16_random``: ``--threads`` threads reading the same rows of the same
+shuffled batches (one ``pread`` per run, issued from C with the GIL released where gpufeed's native reader
+was built; its ``reader`` says which), into pinned buffers copied as for the ceiling. Their targets divide
+by the sequential ``pread16_ceiling`` (warm) and by ``pread16_random`` (cold). Cold shuffled epochs stop
+after ``--cold-shuffled-gib`` (every method reads the same first batches). ``gpufeed_h5`` /
+``gpufeed_h5_chunked`` read the contiguous and the chunked dataset at the dataset's own row size.
+
+On CUDA, the ``compute`` workload adds a matmul loop on the default stream that takes about 1.2x the
+method's own warm time per batch and reports ``step_over_compute`` (1.0 = reading hidden behind compute).
+``*_read16`` rows are diagnostics: the ceiling's loop with ``source.read`` from 16 threads in place of
+``preadv``, no prefetcher, to tell a source's cost from the prefetcher's.
 """
 
 from __future__ import annotations
@@ -69,7 +77,10 @@ except ImportError:  # a checkout without an install: run the working tree's src
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import gpufeed
 from gpufeed import CudaPrefetcher, SourceLoader
-from gpufeed.sources import GDSSource, H5Source, RawSource
+from gpufeed.sources import GDSSource, H5Source, RawSource, _pread
+from gpufeed.sources._files import FileDescriptors
+from gpufeed.sources._runs import run_bounds
+from gpufeed.sources.sampling import plan_batches
 
 MiB, GiB = 1 << 20, 1 << 30
 FULL = {"gib": 2.0, "gzip_gib": 0.25, "batch_mib": 48.0, "reps": 2, "sample": (3, 64, 64)}
@@ -92,7 +103,31 @@ TARGETS = (
     ("HDF5 shuffle+gzip, CPU threads: gpufeed_h5_threads >= 4 x h5py_slice_to", "h5_gzip_shuffle", "warm",
      "gpufeed_h5_threads", 4.0),
     ("cold disk -> GPU: gpufeed_raw >= 0.9 x pread16_ceiling (cold)", "raw", "cold", "gpufeed_raw", 0.9),
+    # Shuffled rows (issue 15): (text, workload, cache, method, want, (reference workload, method)).
+    *(
+        (f"shuffled {label} rows in page cache: {method} >= {want} x sequential pread16_ceiling",
+         f"shuffled_{label}", "warm", method, want, ("raw", "pread16_ceiling"))
+        for label, want, methods in (
+            ("12KiB", 0.5, ("gpufeed_raw", "gpufeed_h5", "gpufeed_h5_chunked", "gpufeed_gds")),
+            ("4KiB", 0.5, ("gpufeed_raw", "gpufeed_gds")),
+            ("512B", 0.2, ("gpufeed_raw", "gpufeed_gds")),
+        )
+        for method in methods
+    ),
+    *(
+        (f"shuffled {label} rows, cold disk: {method} >= 0.9 x pread16_random (cold)", f"shuffled_{label}",
+         "cold", method, 0.9, (f"shuffled_{label}", "pread16_random"))
+        for label, methods in (
+            ("12KiB", ("gpufeed_raw", "gpufeed_h5", "gpufeed_gds")),
+            ("4KiB", ("gpufeed_raw", "gpufeed_gds")),
+            ("512B", ("gpufeed_raw", "gpufeed_gds")),
+        )
+        for method in methods
+    ),
 )
+SHUFFLED_ROWS = (512, 4096, 12288)  # bytes per row of the shuffled workloads (--smoke: SMOKE_SHUFFLED_ROWS)
+SMOKE_SHUFFLED_ROWS = (256, 768)
+COLD_SHUFFLED_GIB = 0.5
 
 
 @dataclass(frozen=True)
@@ -109,6 +144,7 @@ class Config:
     keep: bool
     smoke: bool
     cold: bool
+    cold_shuffled_bytes: int
 
     @property
     def cuda(self) -> bool:
@@ -129,6 +165,8 @@ def parse_args(argv: list[str] | None) -> Config:
     p.add_argument("--reps", type=int, help=f"timed epochs per method (default {FULL['reps']})")
     p.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1), help="ceiling reader threads")
     p.add_argument("--no-cold", action="store_true", help="skip the cold page cache rows")
+    p.add_argument("--cold-shuffled-gib", type=float, default=None,
+                   help=f"GiB per cold shuffled epoch (default {COLD_SHUFFLED_GIB}; --smoke: all)")
     p.add_argument(
         "--data-dir", type=Path, default=None, help="where to write the data (default: a temp dir)"
     )
@@ -162,6 +200,7 @@ def parse_args(argv: list[str] | None) -> Config:
         keep=a.keep,
         smoke=a.smoke,
         cold=not a.no_cold,
+        cold_shuffled_bytes=int((a.cold_shuffled_gib or (1e9 if a.smoke else COLD_SHUFFLED_GIB)) * GiB),
     )
 
 
@@ -284,15 +323,24 @@ def _bounds(rows: int, b: int) -> list[tuple[int, int]]:
 class Pread16:
     """The ceiling: threaded ``preadv`` into two pinned buffers, each copied to the GPU on a side stream."""
 
-    def __init__(self, cfg: Config, path: Path, offset: int, rows: int) -> None:
+    def __init__(
+        self, cfg: Config, path: Path, offset: int, rows: int, row_bytes: int | None = None
+    ) -> None:
         self.cfg, self.path, self.offset, self.rows = cfg, path, offset, rows
+        self.row_bytes = row_bytes or cfg.sample_bytes
+        self.row_shape = cfg.sample if self.row_bytes == cfg.sample_bytes else (self.row_bytes,)
+        self.batch_rows = max(1, cfg.batch_rows * cfg.sample_bytes // self.row_bytes)  # the same bytes
         self.pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="bench-pread")
         self.bufs = [_pinned(cfg, (cfg.batch_rows * cfg.sample_bytes,)) for _ in range(2)]
         self.stream = torch.cuda.Stream(cfg.device) if cfg.cuda else None
         self.fd = os.open(path, os.O_RDONLY)
 
-    def _read(self, buf: torch.Tensor, a: int, b: int) -> None:
-        rb = self.cfg.sample_bytes
+    def batches(self) -> list[Any]:
+        """What ``_read`` reads, batch by batch: ``(a, b)`` row bounds here."""
+        return _bounds(self.rows, self.batch_rows)
+
+    def _read(self, buf: torch.Tensor, batch: tuple[int, int]) -> int:
+        (a, b), rb = batch, self.row_bytes
         mv = memoryview(buf.numpy())[: (b - a) * rb]
         step = -(-len(mv) // self.cfg.threads)
 
@@ -305,16 +353,17 @@ class Pread16:
                 done += got
 
         list(self.pool.map(piece, range(0, len(mv), step)))
+        return b - a
 
     def __call__(self) -> Iterator[torch.Tensor]:
         cfg = self.cfg
         events: list[Any] = [None, None]
-        for i, (a, b) in enumerate(_bounds(self.rows, cfg.batch_rows)):
+        for i, batch in enumerate(self.batches()):
             buf = self.bufs[i % 2]
             if events[i % 2] is not None:
                 events[i % 2].synchronize()
-            self._read(buf, a, b)
-            host = buf[: (b - a) * cfg.sample_bytes].view(b - a, *cfg.sample)
+            n = self._read(buf, batch)
+            host = buf[: n * self.row_bytes].view(n, *self.row_shape)
             if self.stream is None:
                 yield host.clone()  # the buffer is reused; a CPU "device" batch must own its bytes
                 continue
@@ -341,8 +390,8 @@ class SourceRead16(Pread16):
         super().__init__(cfg, path, 0, rows)
         self.source, self.name = source, next(iter(source.fields))
 
-    def _read(self, buf: torch.Tensor, a: int, b: int) -> None:
-        rb, step = self.cfg.sample_bytes, -(-(b - a) // self.cfg.threads)
+    def _read(self, buf: torch.Tensor, batch: tuple[int, int]) -> int:
+        (a, b), rb, step = batch, self.cfg.sample_bytes, -(-(batch[1] - batch[0]) // self.cfg.threads)
         flat = buf.numpy()
 
         def piece(r: int) -> None:
@@ -353,10 +402,49 @@ class SourceRead16(Pread16):
             self.source.read(range(r, r + k), {self.name: view})
 
         list(self.pool.map(piece, range(a, b, step)))
+        return b - a
 
     def close(self) -> None:
         super().close()
         self.source.close()
+
+
+class RandomPread16(Pread16):
+    """The ceiling of shuffled reads: the rows of the batches ``SourceLoader(shuffle=True)`` plans (same
+    seed, epoch after epoch), each thread one share of a batch, one ``pread`` per run of consecutive rows.
+
+    A thread's preads go out in one ``pread_many`` call, from C with the GIL released, where gpufeed's
+    native reader was built (``reader`` says ``native``): a Python loop would measure the GIL, not the disk.
+    """
+
+    def __init__(self, cfg: Config, path: Path, offset: int, row_bytes: int, limit_bytes: int | None) -> None:
+        super().__init__(cfg, path, offset, (os.path.getsize(path) - offset) // row_bytes, row_bytes)
+        self.epoch = 0
+        self.limit = None if limit_bytes is None else max(1, limit_bytes // (self.batch_rows * row_bytes))
+        self.fds = FileDescriptors([str(path)])
+        self.reader = _pread.backend()
+
+    def batches(self) -> list[Any]:
+        plan = plan_batches(self.rows, self.batch_rows, shuffle=True, epoch=self.epoch)
+        self.epoch += 1
+        return plan[: self.limit]
+
+    def _read(self, buf: torch.Tensor, rows: np.ndarray) -> int:
+        rb, step = self.row_bytes, -(-len(rows) // self.cfg.threads)
+
+        def piece(a: int) -> None:
+            starts, stops = run_bounds(rows[a : a + step])
+            sizes = (stops - starts) * rb
+            dst = a * rb + np.cumsum(sizes) - sizes
+            _pread.pread_many(self.fds, [str(self.path)], 0, self.offset + starts * rb, sizes, dst,
+                              buf.data_ptr(), buf.numel())
+
+        list(self.pool.map(piece, range(0, len(rows), step)))
+        return len(rows)
+
+    def close(self) -> None:
+        super().close()
+        self.fds.close()
 
 
 def memmap_to(cfg: Config, path: Path, rows: int) -> BatchIter:
@@ -409,15 +497,22 @@ def h5py_read_direct_pinned(cfg: Config, path: Path, name: str, rows: int) -> Ba
 class Gpufeed:
     """``CudaPrefetcher`` over a source, made once and iterated once per epoch."""
 
-    def __init__(self, cfg: Config, source: Any, shuffle: bool = False) -> None:
+    def __init__(
+        self, cfg: Config, source: Any, shuffle: bool = False, limit_bytes: int | None = None
+    ) -> None:
         self.source = source
-        self.pf = CudaPrefetcher(SourceLoader(source, batch_size=cfg.batch_rows, shuffle=shuffle),
-                                 device=cfg.device, depth=3)
         self.name = next(iter(source.fields))
+        row_bytes = source.fields[self.name].sample_nbytes
+        batch_rows = max(1, cfg.batch_rows * cfg.sample_bytes // row_bytes)  # the same bytes a batch
+        self.limit = None if limit_bytes is None else max(1, limit_bytes // (batch_rows * row_bytes))
+        self.pf = CudaPrefetcher(SourceLoader(source, batch_size=batch_rows, shuffle=shuffle),
+                                 device=cfg.device, depth=3)
 
     def __call__(self) -> Iterator[torch.Tensor]:
-        for batch in self.pf:
+        for i, batch in enumerate(self.pf):  # (a new iteration starts the next epoch, as in training)
             yield batch[self.name]
+            if i + 1 == self.limit:
+                break
 
     def close(self) -> None:
         self.pf.close()
@@ -519,6 +614,7 @@ def run(cfg: Config, data: Data) -> dict[str, Any]:
                 cfg, data, workload, method, make, kind=kind, rows=n, cache=cache, files=list(files), **kw
             )
         )
+        return rows[-1]
 
     caches = ["warm", "cold"] if cfg.cold else ["warm"]
     for cache in caches:
@@ -569,16 +665,55 @@ def run(cfg: Config, data: Data) -> dict[str, Any]:
         rows[-1]["h5_path"] = g.source.paths_taken["chunked"]
         g.close()
         rows += gzip_rows(cfg, data, add, rows)
-        for method, make in makers.items():
-            if make is None:
-                continue
-            g = Gpufeed(cfg, make(), shuffle=True)
-            add("raw_shuffled", method, g, check=False)
-            g.close()
+    for cache in caches:
+        rows += shuffled_rows(cfg, data, add, cache, npy_offset, gds_source is not None, gds_note)
     if cfg.cuda and not cfg.smoke:
         rows += compute_rows(cfg, data, rows, makers)
     _fill_fractions(rows)
     return _doc(cfg, data, rows, gds_note)
+
+
+def shuffled_rows(cfg: Config, data: Data, add: Callable[..., None], cache: str, npy_offset: int,
+                  gds: bool, gds_note: str) -> list[dict[str, Any]]:
+    """The shuffled workloads of one cache state, each row size beside ``pread16_random`` of the same rows
+    (added by ``add``); returns the rows of methods that cannot run here, marked skipped."""
+    skipped = []
+    limit = cfg.cold_shuffled_bytes if cache == "cold" else None
+    as_raw = data.root / "x.u8"  # the .npy's bytes, for rows of any size (a RawSource reads .npy as saved)
+    if not as_raw.exists():
+        as_raw.symlink_to(data.npy.name)
+    sizes = SMOKE_SHUFFLED_ROWS if cfg.smoke else SHUFFLED_ROWS
+    for rb in (r for r in sizes if cfg.sample_bytes % r == 0):
+        w = f"shuffled_{_size_label(rb)}"
+
+        def raw(rb: int = rb) -> RawSource:
+            if rb == cfg.sample_bytes:
+                return RawSource(data.npy)
+            return RawSource(as_raw, dtype="uint8", shape=(rb,), offset=npy_offset)
+
+        ceiling = RandomPread16(cfg, data.npy, npy_offset, rb, limit)
+        add(w, "pread16_random", ceiling, cache=cache, check=False)["reader"] = ceiling.reader
+        ceiling.close()
+        makers: dict[str, Callable[[], Any] | None] = {"gpufeed_raw": raw}
+        if rb == cfg.sample_bytes:
+            makers["gpufeed_h5"] = lambda: H5Source(data.h5, fields=["contiguous"])
+            if cache == "warm":
+                makers["gpufeed_h5_chunked"] = lambda: H5Source(data.h5, fields=["chunked"])
+        makers["gpufeed_gds"] = (lambda raw=raw: GDSSource(raw())) if gds else None
+        for method, make in makers.items():
+            if make is None:
+                skipped.append({"workload": w, "method": method, "cache": cache, "skipped": gds_note})
+                _print_row(skipped[-1])
+                continue
+            g = Gpufeed(cfg, make(), shuffle=True, limit_bytes=limit)
+            files = (data.h5,) if "h5" in method else (data.npy,)
+            add(w, method, g, cache=cache, check=False, files=files)
+            g.close()
+    return skipped
+
+
+def _size_label(nbytes: int) -> str:
+    return f"{nbytes >> 10}KiB" if nbytes % 1024 == 0 else f"{nbytes}B"
 
 
 def gzip_rows(cfg: Config, data: Data, add: Callable[..., None], rows: list[dict[str, Any]]) -> list:
@@ -692,10 +827,14 @@ def _time_matmuls(a: torch.Tensor, reps: int, cfg: Config) -> float:
 
 def _fill_fractions(rows: list[dict[str, Any]]) -> None:
     ceilings = {r["cache"]: r.get("GBps") for r in rows if r["method"] == "pread16_ceiling"}
+    randoms = {(r["workload"], r["cache"]): r.get("GBps") for r in rows if r["method"] == "pread16_random"}
     for r in rows:
         c = ceilings.get(r["cache"])
         if "GBps" in r and c:
             r["frac_of_ceiling"] = r["GBps"] / c
+        c = randoms.get((r["workload"], r["cache"]))
+        if "GBps" in r and c and r["method"] != "pread16_random":
+            r["frac_of_random"] = r["GBps"] / c
 
 
 def _doc(cfg: Config, data: Data, rows: list[dict[str, Any]], gds_note: str) -> dict[str, Any]:
@@ -712,9 +851,10 @@ def _doc(cfg: Config, data: Data, rows: list[dict[str, Any]], gds_note: str) -> 
         )
 
     targets = []
-    for text, workload, cache, method, want in TARGETS:
-        base = "h5py_slice_to" if "h5py_slice_to" in text else "pread16_ceiling"
-        got, ref = gbps(workload, cache, method), gbps(workload, cache, base)
+    for text, workload, cache, method, want, *of in TARGETS:
+        ref_workload, ref_method = of[0] if of else (
+            workload, "h5py_slice_to" if "h5py_slice_to" in text else "pread16_ceiling")
+        got, ref = gbps(workload, cache, method), gbps(ref_workload, cache, ref_method)
         value = got / ref if got and ref else None
         targets.append({"target": text, "value": value, "met": value is not None and value >= want})
     cold = [r for r in rows if r["cache"] == "cold" and "cold_method" in r]
@@ -764,6 +904,10 @@ def markdown(doc: dict[str, Any]) -> str:
         if "compression_ratio" in r:
             notes = f"{notes}; " if notes else ""
             notes += f"compression ratio {r['compression_ratio']:.2f}"
+        if "frac_of_random" in r:
+            notes = f"{r['frac_of_random']:.2f} x pread16_random"
+        if "reader" in r:
+            notes = f"reads issued by the {r['reader']} reader"
         if "step_over_compute" in r:
             notes = f"step / compute = {r['step_over_compute']:.3f}"
         gbps = f"{r['GBps']:.2f}" if "GBps" in r else "-"

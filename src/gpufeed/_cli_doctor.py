@@ -119,8 +119,11 @@ def _page_cache_read(nbytes: int) -> dict[str, Any]:
         _pread_all(fd, memoryview(buf), 0)  # warm: the file is now surely in the page cache
         one = _best(lambda: _pread_all(fd, memoryview(buf), 0))
         many = _best(lambda: _pread_parallel(fd, buf, threads))
+    from gpufeed.sources import _pread
+
     return {"bytes": nbytes, "threads": threads, "one_thread_GBps": nbytes / one / 1e9,
-            "threaded_GBps": nbytes / many / 1e9, "where": tempfile.gettempdir()}
+            "threaded_GBps": nbytes / many / 1e9, "where": tempfile.gettempdir(),
+            "shuffled_rows": _pread.backend()}
 
 
 def _best(fn: Any, reps: int = 3) -> float:
@@ -214,6 +217,10 @@ def advice(r: dict[str, Any]) -> list[str]:
     if pc["threaded_GBps"] > 1.3 * pc["one_thread_GBps"]:
         out.append(f"parallel reads are {pc['threaded_GBps'] / pc['one_thread_GBps']:.1f}x one thread: "
                    "prefer RawSource/H5Source on contiguous data (parallel pread) over h5py slicing")
+    if pc.get("shuffled_rows") == "python" and not _native_off():
+        out.append("shuffled rows are read by a Python loop (several times slower): the native reader "
+                   "was not built when gpufeed was installed (no C compiler?); reinstall with one "
+                   "(pip install --force-reinstall --no-deps gpufeed)")
     pk = r["packages"]
     if pk["h5py"] is None:
         out.append("h5py is missing: pip install 'gpufeed[hdf5]' for H5Source and gpufeed bench")
@@ -232,6 +239,10 @@ def advice(r: dict[str, Any]) -> list[str]:
     if not out:
         out.append("nothing to change: run gpufeed bench to compare the loops on this machine")
     return out
+
+
+def _native_off() -> bool:
+    return os.environ.get("GPUFEED_NATIVE_PREAD") == "0"
 
 
 def render(r: dict[str, Any]) -> str:
@@ -258,6 +269,11 @@ def render(r: dict[str, Any]) -> str:
     row("page-cache read", f"{pc['one_thread_GBps']:.1f} GB/s one thread, "
         f"{pc['threaded_GBps']:.1f} GB/s with {pc['threads']} threads "
         f"({format_bytes(pc['bytes'])} file in {pc['where']})")
+    if pc["shuffled_rows"] == "native":
+        row("shuffled reads", "native: each reader's preads in one C call (GIL released once)")
+    else:
+        why = "GPUFEED_NATIVE_PREAD=0" if _native_off() else "the native reader was not built at install"
+        row("shuffled reads", f"Python os.preadv loop ({why})")
     threads = r["staging_copy"]["threads"]
     row("staging copy", f"torch's parallel copy, {threads} threads (torch.get_num_threads())")
     row("CPUs", r["cpu_count"])

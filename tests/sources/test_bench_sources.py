@@ -40,7 +40,13 @@ def test_bench_sources_smoke(tmp_path: Path) -> None:
         ("h5_gzip", "warm", "gpufeed_h5_threads"),
         ("h5_gzip_shuffle", "warm", "h5py_slice_to"),
         ("h5_gzip_shuffle", "warm", "gpufeed_h5_threads"),
-        ("raw_shuffled", "warm", "gpufeed_raw"),
+        ("shuffled_768B", "warm", "pread16_random"),
+        ("shuffled_768B", "warm", "gpufeed_raw"),
+        ("shuffled_768B", "warm", "gpufeed_h5"),
+        ("shuffled_768B", "warm", "gpufeed_h5_chunked"),
+        ("shuffled_256B", "warm", "gpufeed_raw"),
+        ("shuffled_256B", "cold", "pread16_random"),
+        ("shuffled_256B", "cold", "gpufeed_raw"),
         ("raw", "cold", "gpufeed_raw"),
     ]:
         row = rows[key]
@@ -53,4 +59,6 @@ def test_bench_sources_smoke(tmp_path: Path) -> None:
         assert rows[(w, "warm", "gpufeed_h5_threads")]["compression_ratio"] > 1.5
         assert "skipped" in rows[(w, "warm", "gpufeed_h5_gpu")]  # no CUDA here
     assert "skipped" in rows[("raw", "warm", "gpufeed_gds")]
+    assert rows[("shuffled_256B", "warm", "gpufeed_raw")]["frac_of_random"] > 0
+    assert rows[("shuffled_256B", "warm", "pread16_random")]["reader"] in ("native", "python")
     assert len(doc["targets"]) == len(bench.TARGETS)

@@ -12,6 +12,7 @@ from ._files import FileDescriptors, pread_exact, source_label
 from ._gather import FileMaps, gather_rows
 from ._layout import Layout
 from ._out_tensors import check_outs, host_bytes, rows_bytes
+from ._pread import pread_many
 from ._runs import Runs, check_rows
 from .base import Field, Rows
 
@@ -99,11 +100,15 @@ def read_by_offset(
     paths: Sequence[str],
 ) -> None:
     """Read ``runs`` of an all-by-offset layout into host tensor ``t``: with ``maps`` (the opt-in), a
-    memory-map gather for scattered rows (see ``Runs.scattered``); else one ``os.preadv`` per run,
-    straight into ``t``'s memory."""
+    memory-map gather for scattered rows (see ``Runs.scattered``); else one positional read per run,
+    straight into ``t``'s memory: all of them in one ``pread_many`` call when the rows are an array (a
+    shuffled batch), one ``os.preadv`` for a single run."""
     rn = layout.row_nbytes
     if maps is not None and runs.scattered(rn):
         gather_rows(maps, *layout.row_offsets(runs.rows), rn, rows_bytes(t, runs.n, rn))
+        return
+    if runs.rows is not None:
+        pread_many(fds, paths, *layout.read_arrays(runs), t.data_ptr(), runs.n * rn)
         return
     mv = host_bytes(t, runs.n * rn)
     for f, fo, nb, oo in zip(*layout.byte_reads(runs), strict=True):

@@ -13,6 +13,8 @@ from .base import Field
 
 #: Reads as four parallel lists: file index, file offset, byte count, output offset.
 ReadLists = tuple[list[int], list[int], list[int], list[int]]
+#: The same as int64 arrays; the file is one int when every read is in the same file.
+ReadArrays = tuple[int | np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 class Extent(NamedTuple):
@@ -107,21 +109,32 @@ class Layout:
                 return self._split_reads([runs.one])
             (a, b), e = runs.one, self.extents[0]
             return [e.file], [e.offset + a * rn], [(b - a) * rn], [0]
+        files, fo, nb, oo = self.read_arrays(runs)
+        per_file = [files] * len(nb) if isinstance(files, int) else files.tolist()
+        return per_file, fo.tolist(), nb.tolist(), oo.tolist()
+
+    def read_arrays(self, runs: Runs) -> ReadArrays:
+        """``byte_reads`` as int64 arrays, for ``pread_many``; the file is one int when every read is in
+        the same file (one extent, or several of one file)."""
+        if runs.rows is None:
+            files, fo, nb, oo = (np.array(c, dtype=np.int64) for c in self.byte_reads(runs))
+            return self._one_file if self._one_file is not None else files, fo, nb, oo
+        rn = self.row_nbytes
         starts, stops = runs.starts, runs.stops
-        if not starts.size:
-            return [], [], [], []
         if len(self.extents) == 1:
             e = self.extents[0]
+            files: int | np.ndarray = e.file
             fo = e.offset + starts * rn
-            files = [e.file] * len(starts)
         else:
             i0 = np.searchsorted(self._bounds, starts, side="right")
             if (np.searchsorted(self._bounds, stops - 1, side="right") != i0).any():
-                return self._split_reads(runs.pairs())  # a run crosses extents: rare, plan in Python
+                # a run crosses extents: rare, plan in Python
+                files, fo, nb, oo = (np.array(c, dtype=np.int64) for c in self._split_reads(runs.pairs()))
+                return self._one_file if self._one_file is not None else files, fo, nb, oo
+            files = self._one_file if self._one_file is not None else self._files[i0]
             fo = self._offsets[i0] + (starts - self._first[i0]) * rn
-            files = self._files[i0].tolist()
         nb = (stops - starts) * rn
-        return files, fo.tolist(), nb.tolist(), (np.cumsum(nb) - nb).tolist()
+        return files, fo, nb, np.cumsum(nb) - nb
 
     def _split_reads(self, runs: Sequence[tuple[int, int]]) -> ReadLists:
         """``byte_reads`` for runs that cross extents, with reads adjacent in file and output merged."""

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from gpufeed._extras import require
@@ -17,7 +18,8 @@ from ._host_source import gather_flag, read_by_offset
 from ._layout import Layout
 from ._out_tensors import check_outs, device_bytes, host_bytes
 from ._per_process import _PerProcess
-from ._runs import check_rows
+from ._pread import pread_many
+from ._runs import Runs, check_rows
 from .base import Field, Rows
 from .h5 import H5Source
 from .raw import RawSource
@@ -206,6 +208,9 @@ class GDSSource:
                 if self._maps is not None and runs.scattered(layout.row_nbytes):  # as RawSource does
                     read_by_offset(layout, runs, t, self._fds, self._maps, paths)
                     continue
+                if device_type == "cpu" and runs.rows is not None:  # a shuffled batch: many short runs
+                    self._read_scattered(layout, runs, t, pending)
+                    continue
                 buf: Any = device_bytes(t, nbytes) if device_type == "cuda" else host_bytes(t, nbytes)
                 for f, fo, nb, oo in zip(*layout.byte_reads(runs), strict=True):
                     if nb < small:
@@ -234,6 +239,24 @@ class GDSSource:
                 error = OSError(short_read_message(paths[file], offset, nbytes, got))
         if error is not None:
             raise error
+
+    def _read_scattered(self, layout: Layout, runs: Runs, t: torch.Tensor, pending: list) -> None:
+        """Compat mode, rows given as an array: reads of a kvikio task or more go to kvikio's threads
+        (their futures into ``pending``), then all the shorter ones in one ``pread_many`` on this thread."""
+        files, fo, nb, oo = layout.read_arrays(runs)
+        nbytes = runs.n * layout.row_nbytes
+        long = nb >= self._small
+        if long.any():
+            buf = host_bytes(t, nbytes)
+            for i in np.flatnonzero(long).tolist():
+                f = files if isinstance(files, int) else int(files[i])
+                a, k = int(oo[i]), int(nb[i])
+                pending.append((self._files.get(f).pread(buf[a : a + k], k, int(fo[i]), self._task_size),
+                                f, int(fo[i]), k))
+            short = ~long
+            files = files if isinstance(files, int) else files[short]
+            fo, nb, oo = fo[short], nb[short], oo[short]
+        pread_many(self._fds, self._paths, files, fo, nb, oo, t.data_ptr(), nbytes)
 
     def close(self) -> None:
         """Close this process's kvikio and OS file handles (a later ``read`` reopens them). Idempotent."""

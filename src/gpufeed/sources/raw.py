@@ -22,9 +22,10 @@ class RawSource(HostFileSource):
     """Fixed-shape samples stored back to back in raw binary files, ``.npy`` files or a gpufeed manifest.
 
     Each field is one file, or several files concatenated along samples; all fields have the same number
-    of samples. ``read`` issues one ``os.preadv`` per run of consecutive rows (per file), straight into the
+    of samples. ``read`` issues one ``pread`` per run of consecutive rows (per file), straight into the
     memory of the ``out`` tensors: no intermediate copy, no Python work per byte, and the GIL is released
-    while the kernel copies. Any host tensor works as ``out`` (the prefetcher passes pinned ones).
+    while the kernel copies (for rows given as an array, once for all their reads: see docs/sources.md).
+    Any host tensor works as ``out`` (the prefetcher passes pinned ones).
 
     Thread and process safety: reads are positional, so one file descriptor per file serves every
     thread. Descriptors are opened on first use in each process: a forked child (DataLoader worker) or an

@@ -1,0 +1,101 @@
+"""Many positional reads in one call: the compiled ``gpufeed_pread_many`` (``_pread_many.c``) where the
+package was built with it, else a Python loop of ``os.preadv``. Both raise the same OSError naming the file.
+
+Why: a shuffled batch is thousands of short runs, and each ``os.preadv`` from Python drops and retakes the
+GIL, so the reader threads take turns at it (about 130k reads/s in all on an H100 host). A ctypes call
+releases the GIL once for all the reads of a piece (docs/design.md, "Shuffled rows").
+
+The library is built by ``hatch_build.py`` when the package is built, never at run time; set
+``GPUFEED_NATIVE_PREAD=0`` to use the Python loop anyway.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._files import FileDescriptors, pread_exact, short_read_message
+
+LIBRARY = Path(__file__).with_name("_pread_many.so")
+
+
+def _load() -> Any:
+    """``gpufeed_pread_many`` from the library beside this module, or None (not built, or turned off)."""
+    if os.environ.get("GPUFEED_NATIVE_PREAD", "1") == "0" or not LIBRARY.is_file():
+        return None
+    try:
+        fn = ctypes.CDLL(str(LIBRARY)).gpufeed_pread_many  # CDLL, not PyDLL: calls release the GIL
+    except (OSError, AttributeError):  # built for another platform, or a stale build
+        return None
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p]
+    return fn
+
+
+_NATIVE = _load()
+
+
+def backend() -> str:
+    """``"native"`` when reads go through the compiled library, ``"python"`` for the ``os.preadv`` loop."""
+    return "native" if _NATIVE is not None else "python"
+
+
+def pread_many(
+    fds: FileDescriptors, paths: Sequence[str], files: int | np.ndarray, offsets: np.ndarray,
+    sizes: np.ndarray, dst: np.ndarray, addr: int, nbytes: int,
+) -> None:
+    """Read ``sizes[i]`` bytes at ``offsets[i]`` of file ``files[i]`` (or of file ``files``) into byte
+    ``dst[i]`` of the ``nbytes`` of host memory at ``addr``, for every ``i``, in order.
+
+    Raises:
+        OSError: a read failed, or the file ended early; the message names the file.
+        ValueError: a read would land outside the ``nbytes`` at ``addr`` (a planning bug).
+    """
+    n = len(sizes)
+    if n == 0:
+        return
+    if int(dst.min()) < 0 or int(sizes.min()) < 0 or int((dst + sizes).max()) > nbytes:
+        raise ValueError(f"pread_many: reads outside the {nbytes}-byte buffer")
+    native = _NATIVE
+    if native is None:
+        _python_loop(fds, paths, files, offsets, sizes, dst, addr, nbytes)
+        return
+    fd_of = _fd_per_read(fds, files, n)
+    args = [np.ascontiguousarray(a, dtype=np.int64) for a in (offsets, sizes, dst)]
+    status = np.zeros(2, dtype=np.int64)
+    bad = native(fd_of.ctypes.data, args[0].ctypes.data, args[1].ctypes.data, addr, args[2].ctypes.data,
+                 n, status.ctypes.data)
+    if bad >= 0:
+        f = files if isinstance(files, int) else int(files[bad])
+        raise _read_error(paths[f], int(offsets[bad]), int(sizes[bad]), int(status[0]), int(status[1]))
+
+
+def _fd_per_read(fds: FileDescriptors, files: int | np.ndarray, n: int) -> np.ndarray:
+    if isinstance(files, int):
+        return np.full(n, fds.get(files), dtype=np.int32)
+    table = np.full(int(files.max()) + 1, -1, dtype=np.int32)
+    for f in np.unique(files).tolist():
+        table[f] = fds.get(f)
+    return table[files]
+
+
+def _read_error(path: str, offset: int, want: int, err: int, got: int) -> OSError:
+    """The OSError ``pread_exact`` raises for the same failure (OSError picks the errno's subclass)."""
+    if err:
+        return OSError(err, f"{os.strerror(err)} (reading {want} bytes at offset {offset})", path)
+    return OSError(short_read_message(path, offset, want, got))
+
+
+def _python_loop(
+    fds: FileDescriptors, paths: Sequence[str], files: int | np.ndarray, offsets: np.ndarray,
+    sizes: np.ndarray, dst: np.ndarray, addr: int, nbytes: int,
+) -> None:
+    mv = memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
+    per_file = [files] * len(sizes) if isinstance(files, int) else files.tolist()
+    for f, fo, nb, oo in zip(per_file, offsets.tolist(), sizes.tolist(), dst.tolist(), strict=True):
+        pread_exact(fds.get(f), mv[oo : oo + nb], fo, paths[f])

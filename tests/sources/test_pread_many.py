@@ -1,0 +1,120 @@
+"""Shuffled rows through ``pread_many``: the compiled library and the Python fallback, forced in turn, read
+the same bytes and raise the same errors naming the file."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from gpufeed.sources import H5Source, RawSource, _pread
+from gpufeed.sources._files import FileDescriptors
+
+
+@pytest.fixture(params=["native", "python"])
+def backend(request, monkeypatch):
+    """Force one way of reading; the native one counts its calls (each is a whole piece of reads)."""
+    calls: list[int] = []
+    if request.param == "native":
+        real = _pread._NATIVE
+        if real is None:
+            pytest.skip("the native reader was not built here (pip install -e . builds it)")
+        monkeypatch.setattr(_pread, "_NATIVE", lambda *a: (calls.append(a[5]), real(*a))[1])
+    else:
+        monkeypatch.setattr(_pread, "_NATIVE", None)
+    return request.param, calls
+
+
+def _read(src, rows, fields):
+    out = {k: torch.empty((len(rows), *f.shape), dtype=f.dtype) for k, f in fields.items()}
+    src.read(rows, out)
+    return out
+
+
+def test_shuffled_rows_are_exact(backend, tmp_path):
+    """Several files, two fields of odd row sizes, sorted / unsorted / repeated rows."""
+    name, calls = backend
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, size=(300, 37), dtype=np.uint8)
+    y = rng.standard_normal((300, 3)).astype(np.float32)
+    np.save(tmp_path / "a.npy", x[:120])
+    np.save(tmp_path / "b.npy", x[120:])
+    np.save(tmp_path / "y.npy", y)
+    src = RawSource(fields={"x": [tmp_path / "a.npy", tmp_path / "b.npy"], "y": tmp_path / "y.npy"})
+    for rows in (np.sort(rng.choice(300, 90, replace=False)), rng.permutation(300)[:77],
+                 np.array([5, 5, 119, 120, 121, 299, 0, 0]), np.arange(100, 140)):
+        out = _read(src, rows, src.fields)
+        assert np.array_equal(out["x"].numpy(), x[rows]) and np.array_equal(out["y"].numpy(), y[rows])
+    assert (len(calls) == 8) if name == "native" else not calls  # one call per field per read
+
+
+def test_shuffled_hdf5_rows_are_exact(backend, tmp_path):
+    h5py = pytest.importorskip("h5py")
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, size=(200, 4, 5), dtype=np.uint8)
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f.create_dataset("contiguous", data=x)
+        f.create_dataset("chunked", data=x, chunks=(16, 4, 5))
+    src = H5Source(tmp_path / "d.h5", fields=["contiguous", "chunked"])
+    rows = np.sort(rng.choice(200, 60, replace=False))
+    out = _read(src, rows, src.fields)
+    for name in ("contiguous", "chunked"):
+        assert np.array_equal(out[name].numpy(), x[rows]), name
+    assert bool(backend[1]) == (backend[0] == "native")
+
+
+def test_file_truncated_mid_read_names_it(backend, tmp_path):
+    """The last row is cut 40 bytes short: its read comes back short, then at the end of the file."""
+    x = np.random.default_rng(2).integers(0, 256, size=(50, 100), dtype=np.uint8)
+    np.save(tmp_path / "x.npy", x)
+    src = RawSource(tmp_path / "x.npy")
+    header = os.path.getsize(tmp_path / "x.npy") - x.nbytes
+    os.truncate(tmp_path / "x.npy", os.path.getsize(tmp_path / "x.npy") - 40)
+    want = (f"short read from {tmp_path / 'x.npy'}: expected 100 bytes at offset {header + 49 * 100}, "
+            "got 60; the file is shorter than when the source was opened")
+    with pytest.raises(OSError, match=re.escape(want)):
+        _read(src, np.array([3, 17, 49]), src.fields)
+    out = _read(src, np.array([3, 17, 48]), src.fields)  # rows before the cut still read
+    assert np.array_equal(out["x"].numpy(), x[[3, 17, 48]])
+
+
+def test_a_failed_read_raises_the_errno_and_the_path(backend, tmp_path):
+    fds = FileDescriptors([str(tmp_path)])  # a directory opens, and pread on it fails with EISDIR
+    buf = torch.empty(64, dtype=torch.uint8)
+    args = (np.array([0, 8]), np.array([8, 8]), np.array([0, 8]), buf.data_ptr(), 64)
+    with pytest.raises(IsADirectoryError, match=r"reading 8 bytes at offset 0") as info:
+        _pread.pread_many(fds, [str(tmp_path)], 0, *args)
+    assert info.value.filename == str(tmp_path)
+    fds.close()
+
+
+def test_reads_outside_the_buffer_are_refused(backend, tmp_path):
+    (tmp_path / "f").write_bytes(bytes(64))
+    fds = FileDescriptors([str(tmp_path / "f")])
+    buf = torch.empty(16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="outside the 16-byte buffer"):
+        _pread.pread_many(fds, ["f"], 0, np.array([0]), np.array([17]), np.array([0]), buf.data_ptr(), 16)
+    fds.close()
+
+
+def test_python_loop_resumes_short_reads(tmp_path, monkeypatch):
+    x = np.arange(4000, dtype=np.uint8).reshape(400, 10)
+    np.save(tmp_path / "x.npy", x)
+    src = RawSource(tmp_path / "x.npy")
+    real = os.preadv
+    monkeypatch.setattr(_pread, "_NATIVE", None)
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: real(fd, [bufs[0][:3]], off))  # 3 bytes a call
+    rows = np.array([399, 2, 7, 8, 9, 100])
+    assert np.array_equal(_read(src, rows, src.fields)["x"].numpy(), x[rows])
+
+
+def test_the_environment_turns_the_native_reader_off():
+    code = "from gpufeed.sources import _pread; print(_pread.backend())"
+    env = {**os.environ, "GPUFEED_NATIVE_PREAD": "0"}
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert got.stdout.strip() == "python" and not got.stderr  # no warning either
