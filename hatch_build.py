@@ -37,7 +37,11 @@ class NativeReaderHook(BuildHookInterface):
         if version == "editable":
             out = root / "src" / TARGET
         else:
-            self._tmp = tempfile.mkdtemp(prefix="gpufeed-native-")
+            try:
+                self._tmp = tempfile.mkdtemp(prefix="gpufeed-native-")
+            except OSError as exc:
+                self.app.display_warning(f"gpufeed: native reader not built ({exc}); Python fallback")
+                return
             out = Path(self._tmp) / Path(TARGET).name
         error = compile_library(root / SOURCE, out)
         if error:
@@ -61,11 +65,11 @@ def compile_library(source: Path, out: Path) -> str:
     partial = out.with_name(out.name + ".tmp")
     cmd = [*cc, "-O2", "-shared", "-fPIC", "-o", str(partial), str(source)]
     try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.SubprocessError) as exc:
+        run = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=120)
+        if run.returncode != 0 or not partial.is_file():
+            partial.unlink(missing_ok=True)
+            return f"{shlex.join(cmd)} exited with {run.returncode}: {run.stderr.strip()[-500:]}"
+        os.replace(partial, out)  # never a half-written library where gpufeed loads it
+    except Exception as exc:  # whatever goes wrong here, the install goes on without the library
         return f"{shlex.join(cmd)}: {exc}"
-    if run.returncode != 0 or not partial.is_file():
-        partial.unlink(missing_ok=True)
-        return f"{shlex.join(cmd)} exited with {run.returncode}: {run.stderr.strip()[-500:]}"
-    os.replace(partial, out)  # never a half-written library where gpufeed loads it
     return ""

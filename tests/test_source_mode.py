@@ -295,3 +295,61 @@ def test_source_loader_arguments_are_checked(kwargs, error, match):
 def test_a_source_loader_reads_only_a_batch_source():
     with pytest.raises(TypeError, match=r"SourceLoader reads a BatchSource.*got list"):
         SourceLoader([1, 2, 3], batch_size=2)
+
+
+def _ys(pf):
+    return [b["y"].tolist() for b in collect(pf)]
+
+
+def _plan(epoch, n=100, bs=10):
+    return [np.asarray(list(r)).tolist() for r in plan_batches(n, bs, shuffle=True, seed=1, epoch=epoch)]
+
+
+def test_a_new_prefetcher_each_epoch_continues_the_source_loaders_epochs():
+    """The SourceLoader keeps the epochs: wrapping it anew each epoch reshuffles, and its set_epoch holds."""
+    loader = SourceLoader(ArraySource(n=100), batch_size=10, shuffle=True, seed=1)
+    assert _ys(CudaPrefetcher(loader, device="cpu")) == _plan(0)
+    assert _ys(CudaPrefetcher(loader, device="cpu")) == _plan(1)
+    loader.set_epoch(5)
+    assert _ys(CudaPrefetcher(loader, device="cpu")) == _plan(5)
+
+
+def test_a_probing_iter_after_load_state_dict_keeps_the_resume_point():
+    make = lambda: CudaPrefetcher(SourceLoader(ArraySource(n=100), batch_size=10, shuffle=True, seed=1),  # noqa: E731
+                                  device="cpu")
+    pf = make()
+    it = iter(pf)
+    head = [next(it)["y"].tolist() for _ in range(3)]
+    state = pf.state_dict()
+    pf.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert resumed.state_dict()["loader"]["batch"] == 3
+    probe = iter(resumed)
+    time.sleep(0.05)  # the probe's fetch thread reads ahead
+    del probe
+    assert resumed.state_dict()["loader"]["batch"] == 3
+    assert head + _ys(resumed) == _plan(0)
+    assert _ys(resumed) == _plan(1)
+
+
+def test_state_taken_before_the_first_batch_of_an_epoch_resumes_that_epoch():
+    pf = CudaPrefetcher(SourceLoader(ArraySource(n=100), batch_size=10, shuffle=True, seed=1), device="cpu")
+    for i, _ in enumerate(pf):
+        if i == 1:
+            break  # epoch 0 counted (batches were handed out)
+    it = iter(pf)  # epoch 1, nothing handed out yet
+    state = pf.state_dict()
+    del it
+    assert (state["loader"]["epoch"], state["loader"]["batch"]) == (1, 0)
+    resumed = CudaPrefetcher(SourceLoader(ArraySource(n=100), batch_size=10, shuffle=True, seed=1),
+                             device="cpu")
+    resumed.load_state_dict(state)
+    assert _ys(resumed) == _plan(1)
+
+
+def test_a_probing_iter_after_an_epoch_does_not_skip_one():
+    pf = CudaPrefetcher(SourceLoader(ArraySource(n=100), batch_size=10, shuffle=True, seed=1), device="cpu")
+    assert _ys(pf) == _plan(0)
+    iter(pf)
+    assert _ys(pf) == _plan(1) and pf.epoch == 1

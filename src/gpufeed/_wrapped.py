@@ -28,6 +28,7 @@ class WrappedLoader:
     """
 
     def __init__(self, loader: Any) -> None:
+        from gpufeed.source_loader import SourceLoader
         from gpufeed.sources.base import BatchSource
 
         is_factory = callable(loader) and not isinstance(loader, Iterable)
@@ -47,6 +48,9 @@ class WrappedLoader:
         self._iterated = False
         self.stateful = callable(getattr(loader, "state_dict", None)) and callable(
             getattr(loader, "load_state_dict", None))
+        # A SourceLoader keeps the epochs: the prefetcher asks it for each iteration's, reads the epoch and
+        # position it chose, and tells it when a batch of an epoch was handed out.
+        self.source_loader: SourceLoader | None = loader if isinstance(loader, SourceLoader) else None
 
     def length(self) -> int:
         try:
@@ -54,18 +58,26 @@ class WrappedLoader:
         except TypeError:
             raise TypeError(f"the wrapped {type(self.source).__name__} has no len()") from None
 
-    def set_epoch(self, epoch: int, implicit: bool = False) -> None:
-        """``implicit``: the prefetcher starts an iteration of ``epoch``. Like a DataLoader, a sampler's
-        epoch changes only when set_epoch is called; a SourceLoader follows the prefetcher's epochs, which
-        count an iteration only once it handed out a batch (an ``iter()`` that probes does not)."""
-        from gpufeed.source_loader import SourceLoader
+    def set_epoch(self, epoch: int) -> None:
+        """``set_epoch`` called on the prefetcher: the loader, its sampler and batch sampler follow."""
+        _forward_set_epoch(self.source, epoch)
 
-        if not implicit:
-            _forward_set_epoch(self.source, epoch)
-        elif isinstance(self.source, SourceLoader):
-            self.source.set_epoch(epoch)
+    def next_epoch(self, current: int, started: bool, chosen: bool) -> int:
+        """The epoch of the next iteration. Like a DataLoader's, a plain loader's epoch advances only when
+        the prefetcher's does (an iteration that handed out a batch, unless set_epoch chose); a SourceLoader
+        keeps its own count, shared by every prefetcher that wraps it in turn."""
+        if self.source_loader is not None:
+            return self.source_loader.upcoming_epoch()
+        return current + 1 if started and not chosen else current
+
+    def epoch_started(self, epoch: int) -> None:
+        """The first batch of ``epoch`` was handed out."""
+        if self.source_loader is not None:
+            self.source_loader.begin_epoch(epoch)
 
     def initial_state(self, epoch: int, start: int) -> Any:
+        if self.source_loader is not None:
+            return self.source_loader.state_at(epoch, start)
         return self.source.state_dict() if self.stateful else None
 
     def state_dict(self, last: Any, epoch: int) -> dict[str, Any]:
@@ -79,14 +91,14 @@ class WrappedLoader:
         return {"gpufeed": STATE_VERSION, "mode": "loader", "epoch": epoch, "loader": last}
 
     def load_state_dict(self, state: dict[str, Any]) -> tuple[int, int]:
+        """``(epoch, batch)`` to resume at. A SourceLoader is left untouched (the position is the
+        prefetcher's until it hands out a batch); any other loader loads the state now."""
         _check_state(state, "loader")
         if not self.stateful:
             self.state_dict(None, 0)  # raises the TypeError that says why
-        from gpufeed.source_loader import SourceLoader
-
+        if self.source_loader is not None:
+            return self.source_loader.resume_point(state["loader"])
         self.source.load_state_dict(state["loader"])
-        if isinstance(self.source, SourceLoader):  # it resumes at its next epoch when the saved one was done
-            return self.source.epoch, 0
         return int(state["epoch"]), 0
 
     def batches(self, epoch: int, start: int = 0) -> Iterable[Any]:
@@ -98,6 +110,8 @@ class WrappedLoader:
                 RuntimeWarning, stacklevel=4)
             self._one_shot = False  # said once
         self._iterated = True
+        if self.source_loader is not None:
+            return _source_batches(self.source_loader, epoch, start)
         if self._factory is not None:
             return _Lazy(self._factory)
         if self.stateful:
@@ -116,12 +130,21 @@ class _Lazy:
         return iter(self.factory())
 
 
+def _source_batches(loader: Any, epoch: int, start: int) -> Iterator[WithState]:
+    it = loader.batches(epoch, start)
+    try:
+        for request in it:
+            yield WithState(request, loader.state_at(epoch, request.index + 1))
+    finally:  # the epoch's reads end now, on this (the fetch) thread
+        it.close()
+
+
 def _with_state(loader: Any) -> Iterator[WithState]:
     it = iter(loader)
     try:
         for batch in it:
             yield WithState(batch, loader.state_dict())
-    finally:  # a SourceLoader's epoch ends its reads now, on this (the fetch) thread
+    finally:  # the loader's iterator (a generator's cleanup) ends now, on this (the fetch) thread
         close = getattr(it, "close", None)
         if close is not None:
             close()

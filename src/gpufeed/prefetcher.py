@@ -156,12 +156,11 @@ class CudaPrefetcher:
             if previous is not None:
                 previous._shutdown("a new iteration of the same CudaPrefetcher started")
             start = 0
-            if self._resume is not None:
-                (self.epoch, start), self._resume = self._resume, None
-            elif not self._epoch_set and self._started:  # a new epoch unless set_epoch chose one
-                self.epoch += 1
-            self._loader.set_epoch(self.epoch, implicit=True)
-            self._epoch_set = False
+            if self._resume is not None:  # kept until a batch is handed out: a probing iter() keeps it
+                self.epoch, start = self._resume
+            else:
+                self.epoch = self._loader.next_epoch(self.epoch, self._started, self._epoch_set)
+            self._started = self._epoch_set = False
             self._state = self._loader.initial_state(self.epoch, start)
             it = _EpochIterator(self, self._loader.batches(self.epoch, start))
             self._current = weakref.ref(it)
@@ -199,6 +198,7 @@ class CudaPrefetcher:
         self.epoch, start = self._loader.load_state_dict(state)
         self._resume = (self.epoch, start)
         self._epoch_set = False
+        self._state = self._loader.initial_state(self.epoch, start)  # state_dict() says the loaded position
 
     # -- lifetime ----------------------------------------------------------------------------------
 
@@ -284,6 +284,8 @@ class _EpochIterator:
         if isinstance(item, Delivered):
             if not self._pf._started:  # an epoch counts once it hands out a batch (not a probing iter())
                 self._pf._started = True
+                self._pf._resume = None
+                self._pf._loader.epoch_started(self._pf.epoch)
             stats.batches += 1
             self._pf._state = item.state
             batch = item.handover()
@@ -343,10 +345,12 @@ def _produce(batches: Iterable[Any], copier: Copier, q: queue.SimpleQueue, slots
     except BaseException as exc:  # forwarded with its traceback; re-raised in the consumer
         q.put(_worker.Failure(exc))
     finally:
-        if isinstance(it, types.GeneratorType):
-            it.close()  # runs its cleanup now (a source epoch returns the buffers of reads started ahead)
-        del it  # a DataLoader iterator shuts its workers down here
-        copier.finish()
+        try:
+            if isinstance(it, types.GeneratorType):
+                it.close()  # runs its cleanup now (a source epoch returns the buffers of reads started ahead)
+            del it  # a DataLoader iterator shuts its workers down here
+        finally:
+            copier.finish()
 
 
 def _stop_thread(stop: threading.Event, thread: threading.Thread, q: queue.SimpleQueue) -> None:

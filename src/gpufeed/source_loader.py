@@ -53,9 +53,14 @@ class SourceLoader:
         for batch in CudaPrefetcher(loader):        # batch["x"] is on the GPU
             ...
 
-    Each new iteration is a new epoch (a new shuffle) unless :meth:`set_epoch` chose one;
-    :meth:`state_dict` is the position after the last batch this loader yielded (a prefetcher records
-    the one after the batch its consumer received, and resumes there).
+    An iteration that hands out a batch is an epoch, and the next iteration a new one (a new shuffle)
+    unless :meth:`set_epoch` chose one; an ``iter()`` that hands out nothing (Lightning's probe) does not
+    count. :meth:`state_dict` is the position after the last batch yielded; a prefetcher records the one
+    after the batch its consumer received, and resumes there.
+
+    Invariant: :meth:`batches` depends only on its arguments and the configuration, so a prefetcher's
+    fetch thread reads while the epoch counter and the resume point change only on the training thread
+    (:meth:`upcoming_epoch`, :meth:`begin_epoch`, :meth:`resume_point`).
 
     Args:
         source: the BatchSource to read (``RawSource``, ``H5Source``, ``GDSSource`` or your own).
@@ -98,9 +103,9 @@ class SourceLoader:
                            rank=rank, world_size=world_size, pad=bool(pad))
         self.epoch = 0
         self._epoch_set = False
-        self._started = False  # an iteration has yielded a batch: the next one is a new epoch
+        self._started = False  # a batch of ``epoch`` was handed out: the next iteration is a new epoch
         self._resume: tuple[int, int] | None = None
-        self._pos = {"epoch": 0, "batch": 0}
+        self._pos = (0, 0)  # (epoch, batches yielded in it) of direct iteration, or the resume point
 
     def plan(self, epoch: int | None = None) -> list[Rows]:
         """The rows of every batch of ``epoch`` (default: the current one) for this rank."""
@@ -118,35 +123,54 @@ class SourceLoader:
         """Set the epoch (the shuffle) of the next iteration."""
         self.epoch, self._epoch_set = int(epoch), True
 
-    def __iter__(self) -> Iterator[ReadRequest]:
-        start = 0
-        if self._resume is not None:
-            (self.epoch, start), self._resume = self._resume, None
-        elif self._started and not self._epoch_set:
-            self.epoch += 1
-        self._epoch_set = self._started = False
-        self._pos = {"epoch": self.epoch, "batch": start}
-        return self._batches(self.epoch, start)
+    def upcoming_epoch(self) -> int:
+        """The epoch the next iteration reads: a new one once a batch of the current one was handed out,
+        unless :meth:`set_epoch` chose one."""
+        return self.epoch + 1 if self._started and not self._epoch_set else self.epoch
 
-    def _batches(self, epoch: int, start: int) -> Iterator[ReadRequest]:
+    def begin_epoch(self, epoch: int) -> None:
+        """A batch of ``epoch`` was handed out: it is the current epoch, and the next iteration a new one."""
+        self.epoch, self._started, self._epoch_set = epoch, True, False
+
+    def batches(self, epoch: int, start: int = 0) -> Iterator[ReadRequest]:
+        """The read requests of ``epoch`` from batch ``start`` on; touches no state of this loader, so a
+        prefetcher's fetch thread can run it while the training thread uses the loader."""
         from gpufeed._source_batch import EpochReads
 
         reads = EpochReads(self.source, self.plan(epoch), self.num_threads)
         try:
             for i in range(start, len(reads.plan)):
-                self._pos = {"epoch": epoch, "batch": i + 1}  # taken by state_dict() right after the yield
-                self._started = True
                 yield reads.get(i)
         finally:  # stopped, failed or done: reads already started for a batch never delivered end here
             reads.cancel()
 
-    def state_dict(self) -> dict[str, Any]:
-        """The position after the last batch yielded, and the configuration it is valid for."""
-        return {"gpufeed_source_loader": STATE_VERSION, **self._pos, "num_samples": len(self.source),
-                "config": dict(self.config)}
+    def __iter__(self) -> Iterator[ReadRequest]:
+        if self._resume is not None:
+            (epoch, start), self._resume = self._resume, None
+        else:
+            epoch, start = self.upcoming_epoch(), 0
+        return self._direct(epoch, start)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: the next iteration yields the batches after that position."""
+    def _direct(self, epoch: int, start: int) -> Iterator[ReadRequest]:
+        for request in self.batches(epoch, start):
+            if request.index == start:
+                self.begin_epoch(epoch)
+            self._pos = (epoch, request.index + 1)  # taken by state_dict() right after the yield
+            yield request
+
+    def state_at(self, epoch: int, batch: int) -> dict[str, Any]:
+        """The state of the position after ``batch`` batches of ``epoch``."""
+        return {"gpufeed_source_loader": STATE_VERSION, "epoch": epoch, "batch": batch,
+                "num_samples": len(self.source), "config": dict(self.config)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch yielded (or the one :meth:`load_state_dict` set), and the
+        configuration it is valid for."""
+        return self.state_at(*self._pos)
+
+    def resume_point(self, state: dict[str, Any]) -> tuple[int, int]:
+        """``(epoch, batch)`` to resume at from :meth:`state_dict` (the next epoch when that one was done);
+        ValueError when the state is not a SourceLoader's or was saved with another configuration."""
         if not isinstance(state, dict) or state.get("gpufeed_source_loader") != STATE_VERSION:
             raise ValueError("not a SourceLoader state_dict (expected one from SourceLoader.state_dict() "
                              f"version {STATE_VERSION})")
@@ -160,8 +184,12 @@ class SourceLoader:
         epoch, start = int(state["epoch"]), int(state["batch"])
         if start >= len(self.plan(epoch)):  # the epoch was complete: resume at the next one
             epoch, start = epoch + 1, 0
-        self._resume = (epoch, start)
-        self.epoch, self._pos = epoch, {"epoch": epoch, "batch": start}
+        return epoch, start
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next iteration yields the batches after that position."""
+        self._resume = self.resume_point(state)
+        self._pos = self._resume
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config.items())

@@ -185,10 +185,15 @@ def inflate(table: ChunkTable, fd: int, chunk: int) -> np.ndarray:
     """Chunk ``chunk`` read and decoded, as bytes of shape ``table.chunk_byte_shape()``."""
     raw = bytearray(int(table.sizes[chunk]))
     pread_exact(fd, memoryview(raw), int(table.offsets[chunk]), table.path)
-    try:
-        data = zlib.decompress(raw, bufsize=table.chunk_nbytes)
+    inflater = zlib.decompressobj()
+    try:  # at most one byte more than a chunk holds: a corrupt chunk cannot inflate without bound
+        data = inflater.decompress(raw, table.chunk_nbytes + 1)
     except zlib.error as exc:  # a bad header, bad deflate data, or an adler32 mismatch
         raise table.corrupt(chunk, f"zlib: {exc}") from None
+    if len(data) > table.chunk_nbytes:
+        raise table.corrupt(chunk, f"it decodes to more than the {table.chunk_nbytes} bytes a chunk holds")
+    if not inflater.eof:
+        raise table.corrupt(chunk, "zlib: incomplete or truncated stream")
     if len(data) != table.chunk_nbytes:
         raise table.corrupt(chunk, f"it decodes to {len(data)} bytes, a chunk holds {table.chunk_nbytes}")
     arr = np.frombuffer(data, dtype=np.uint8)
