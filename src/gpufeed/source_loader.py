@@ -117,7 +117,13 @@ class SourceLoader:
                             world_size=c["world_size"], pad=c["pad"])
 
     def __len__(self) -> int:
-        return len(self.plan())
+        # Batches per epoch do not depend on the order (plan_batches cuts every order the same way), and the
+        # plan in order holds ranges, not a permutation of every sample.
+        from gpufeed.sources.sampling import plan_batches
+
+        c = self.config
+        return len(plan_batches(len(self.source), c["batch_size"], drop_last=c["drop_last"], rank=c["rank"],
+                                world_size=c["world_size"], pad=c["pad"]))
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch (the shuffle) of the next iteration."""

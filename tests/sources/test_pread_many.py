@@ -118,3 +118,23 @@ def test_the_environment_turns_the_native_reader_off():
     env = {**os.environ, "GPUFEED_NATIVE_PREAD": "0"}
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert got.stdout.strip() == "python" and not got.stderr  # no warning either
+
+
+@pytest.mark.parametrize("abi", [None, 2])
+def test_a_library_of_another_calling_convention_is_never_called(abi, tmp_path, monkeypatch):
+    """A library left from an older build (no ABI function, or another number) is not loaded: the Python
+    loop reads instead of a call with the wrong arguments."""
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler here")
+    src = tmp_path / "old.c"
+    body = "#include <stdint.h>\nint64_t gpufeed_pread_many(void) { return -1; }\n"
+    if abi is not None:
+        body += f"int64_t gpufeed_pread_abi(void) {{ return {abi}; }}\n"
+    src.write_text(body)
+    lib = tmp_path / "_pread_many.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    monkeypatch.setattr(_pread, "LIBRARY", lib)
+    assert _pread._load() is None

@@ -22,6 +22,7 @@ import numpy as np
 from ._files import FileDescriptors, pread_exact, short_read_message
 
 LIBRARY = Path(__file__).with_name("_pread_many.so")
+ABI = 1  # gpufeed_pread_abi() of the library this module calls
 
 
 def _load() -> Any:
@@ -29,7 +30,11 @@ def _load() -> Any:
     if os.environ.get("GPUFEED_NATIVE_PREAD", "1") == "0" or not LIBRARY.is_file():
         return None
     try:
-        fn = ctypes.CDLL(str(LIBRARY)).gpufeed_pread_many  # CDLL, not PyDLL: calls release the GIL
+        lib = ctypes.CDLL(str(LIBRARY))  # CDLL, not PyDLL: calls release the GIL
+        lib.gpufeed_pread_abi.restype = ctypes.c_int64
+        if lib.gpufeed_pread_abi() != ABI:
+            return None
+        fn = lib.gpufeed_pread_many
     except (OSError, AttributeError):  # built for another platform, or a stale build
         return None
     fn.restype = ctypes.c_int64
@@ -59,6 +64,8 @@ def pread_many(
     n = len(sizes)
     if n == 0:
         return
+    if isinstance(files, np.integer):
+        files = int(files)
     if int(dst.min()) < 0 or int(sizes.min()) < 0 or int((dst + sizes).max()) > nbytes:
         raise ValueError(f"pread_many: reads outside the {nbytes}-byte buffer")
     native = _NATIVE

@@ -6,6 +6,7 @@
  * built; where it could not be built, gpufeed reads with os.preadv from Python instead.
  */
 #define _XOPEN_SOURCE 700
+#define _FILE_OFFSET_BITS 64 /* 64-bit off_t on 32-bit platforms too: files past 2 GiB */
 #include <errno.h>
 #include <stdint.h>
 #include <unistd.h>
@@ -36,3 +37,7 @@ int64_t gpufeed_pread_many(const int32_t *fds, const int64_t *offsets, const int
     }
     return -1;
 }
+
+/* The calling convention above; _pread.py loads a library only when this matches what it was written for,
+ * so a library left from an older build is never called with other arguments. */
+int64_t gpufeed_pread_abi(void) { return 1; }
