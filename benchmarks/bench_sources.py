@@ -22,8 +22,8 @@ Methods:
 * ``numpy_memmap_to``: ``torch.from_numpy(np.ascontiguousarray(mmap[a:b])).to(device)``.
 * ``h5py_slice_to``: ``torch.from_numpy(dset[a:b]).to(device)``, the usual HDF5 loop.
 * ``h5py_read_direct_pinned``: ``dset.read_direct`` into two pinned buffers, ``non_blocking`` copies.
-* ``gpufeed_raw`` / ``gpufeed_h5`` / ``gpufeed_gds``: ``CudaPrefetcher(source, batch_size=.., depth=3)`` with
-  ``RawSource``, ``H5Source`` and ``GDSSource`` (its ``mode`` is reported).
+* ``gpufeed_raw`` / ``gpufeed_h5`` / ``gpufeed_gds``: ``CudaPrefetcher(SourceLoader(source, batch_size=..),
+  depth=3)`` with ``RawSource``, ``H5Source`` and ``GDSSource`` (its ``mode`` is reported).
 * ``gpufeed_h5_threads`` / ``gpufeed_h5_gpu`` (gzip workloads): ``H5Source(decode="cpu")``, reader threads
   inflating chunks with zlib, and ``H5Source(decode="gpu")``, compressed chunks copied to the GPU and
   inflated there by nvCOMP (skipped without CUDA or ``gpufeed[nvcomp]``). GB/s count decoded bytes.

@@ -6,8 +6,8 @@
 
 Rank 0 writes a small synthetic data set (``.npy`` files: features ``x``, class ``label`` and the sample
 index ``y``) to a temporary directory; every rank opens it as a :class:`~gpufeed.sources.RawSource` and
-wraps it in ``CudaPrefetcher(source, batch_size=...)``. Under an initialised process group the prefetcher
-shards by itself (rank and world size come from ``torch.distributed``):
+wraps it in ``CudaPrefetcher(SourceLoader(source, batch_size=...))``. Under an initialised process group the
+SourceLoader shards by itself (rank and world size come from ``torch.distributed``):
 
 * each rank reads only its own batches (global batch ``g`` goes to rank ``g % world_size``);
 * every rank gets the same number of batches, so no rank waits in DDP's all-reduce for one that ran out;

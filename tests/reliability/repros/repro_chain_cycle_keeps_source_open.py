@@ -7,7 +7,7 @@ Since a prefetcher no longer closes the user's source (the fix for the shared-so
 the prefetcher, drop the source" keeps one descriptor per file open until a GC pass; with sources
 of many files made per evaluation or per epoch, descriptors pile up towards the open-files limit.
 
-Fix: break the cycle when an epoch ends: ``_Chain.cancel()`` (called in ``SourceMode.batches``'s
+Fix: break the cycle when an epoch ends: ``EpochReads.cancel()`` (called in ``SourceLoader.batches``'s
 ``finally``) also does ``self._made.clear()``; or SourceBatch keeps a ``weakref`` to its chain.
 
 Exit status: 1 while the bug is present, 0 once fixed.

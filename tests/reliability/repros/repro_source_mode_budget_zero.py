@@ -7,7 +7,7 @@ source mode ``SourceBatch._read_staged`` acquires buffers from the pool without 
 request larger than the budget"), which with a budget of 0 is every request. So the pool pins memory
 (cudaHostAlloc: fails where pinning is not allowed) and says nothing.
 
-Fix: in ``SourceBatch.gpufeed_read``, when ``not copier._pinned_ok()``, read into pageable host tensors
+Fix: in ``SourceBatch.read``, when ``not copier._pinned_ok()``, read into pageable host tensors
 (``_read_direct`` into ``torch.empty(..., device="cpu")``) and copy those to the device; and let
 ``PinnedPool.try_acquire`` never allocate when ``budget == 0``.
 
