@@ -1,4 +1,4 @@
-"""HostFileSource: what RawSource and H5Source share, reading rows by byte offset into host memory."""
+"""FileSource: what every file source shares; HostFileSource: reading rows by byte offset into host memory."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from ._runs import Runs, check_rows
 from .base import Field, Rows
 
 
-class HostFileSource:
-    """What RawSource and H5Source share: their fields, files and length, positional reads into host
-    memory, the opt-in memory-map gather, ``close`` and the context manager.
+class FileSource:
+    """What every file source (RawSource, H5Source, GDSSource) shares: its fields, files and length, the
+    opt-in memory-map gather, ``close`` of its descriptors and maps, and the context manager.
 
     Invariant: ``_maps`` is ``None`` unless the source was made with ``mmap_gather=True``; only then does
     a read touch a memory map (see ``read_by_offset``), so by default no file is ever mapped.
@@ -33,17 +33,47 @@ class HostFileSource:
     _fds: FileDescriptors
     _maps: FileMaps | None
 
+    @property
+    def mmap_gather(self) -> bool:
+        """Whether shuffled batches of short rows are gathered from memory maps (``mmap_gather=``)."""
+        return self._maps is not None
+
+    def close(self) -> None:
+        """Close this process's file descriptors and maps (a later ``read`` reopens them). Idempotent."""
+        self._fds.close()
+        if self._maps is not None:
+            self._maps.close()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def fields(self) -> Mapping[str, Field]:
+        """The fields, by name."""
+        return MappingProxyType(self._fields)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The files the source reads, in sample order."""
+        return tuple(self._paths)
+
+    def __len__(self) -> int:
+        return self._len
+
+
+class HostFileSource(FileSource):
+    """What RawSource and H5Source share beyond :class:`FileSource`: opening their files, and positional
+    reads into host memory."""
+
     def _open_files(self, kind: str, paths: list[str], mmap_gather: bool) -> None:
         """Set the files of the source: their descriptors, and memory maps when ``mmap_gather``."""
         self._paths = paths
         self._where = source_label(kind, paths)
         self._fds = FileDescriptors(paths)
         self._maps = FileMaps(paths) if gather_flag(mmap_gather, kind) else None
-
-    @property
-    def mmap_gather(self) -> bool:
-        """Whether shuffled batches of short rows are gathered from memory maps (``mmap_gather=``)."""
-        return self._maps is not None
 
     def read(self, rows: Rows, out: Mapping[str, torch.Tensor]) -> None:
         """Write ``rows`` of every field into ``out[name][: len(rows)]``, in the order of ``rows``.
@@ -64,35 +94,10 @@ class HostFileSource:
     def _read_field(self, layout: Layout, runs: Runs, t: torch.Tensor) -> None:
         read_by_offset(layout, runs, t, self._fds, self._maps, self._paths)
 
-    def close(self) -> None:
-        """Close this process's file descriptors and maps (a later ``read`` reopens them). Idempotent."""
-        self._fds.close()
-        if self._maps is not None:
-            self._maps.close()
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def fields(self) -> Mapping[str, Field]:
-        """The fields, by name."""
-        return MappingProxyType(self._fields)
-
     @property
     def reads_to(self) -> Literal["host"]:
         """Always ``"host"``: reads land in host memory (pinned, when the prefetcher owns it)."""
         return "host"
-
-    @property
-    def files(self) -> tuple[str, ...]:
-        """The files the source reads, in sample order."""
-        return tuple(self._paths)
-
-    def __len__(self) -> int:
-        return self._len
 
 
 def read_by_offset(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from types import MappingProxyType
 from typing import Any, Literal
 
 import numpy as np
@@ -14,13 +13,13 @@ from gpufeed._extras import require
 
 from ._files import FileDescriptors, PathLike, as_paths, pread_exact, short_read_message, source_label
 from ._gather import FileMaps
-from ._host_source import gather_flag, read_by_offset
+from ._host_source import FileSource, gather_flag, read_by_offset
 from ._layout import Layout
 from ._out_tensors import check_outs, device_bytes, host_bytes
 from ._per_process import _PerProcess
 from ._pread import pread_many
 from ._runs import Runs, check_rows
-from .base import Field, Rows
+from .base import Rows
 from .h5 import H5Source
 from .raw import RawSource
 
@@ -28,7 +27,7 @@ _H5_SUFFIXES = (".h5", ".hdf5", ".he5", ".hdf")
 _H5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
-class GDSSource:
+class GDSSource(FileSource):
     """Samples read with kvikio's ``CuFile.pread``, by byte offset, on kvikio's thread pool.
 
     Takes what ``RawSource`` reads (raw files, ``.npy``, gpufeed manifests) and HDF5 datasets that
@@ -143,11 +142,6 @@ class GDSSource:
         self._maps = FileMaps(self._paths) if self._mmap_gather and self._mode == "compat" else None
 
     @property
-    def fields(self) -> Mapping[str, Field]:
-        """The fields, by name."""
-        return MappingProxyType(self._fields)
-
-    @property
     def mode(self) -> Literal["gds", "compat"]:
         """``"gds"`` (GPUDirect Storage into device memory) or ``"compat"`` (kvikio POSIX reads to host)."""
         return self._mode
@@ -158,22 +152,9 @@ class GDSSource:
         return "device" if self._mode == "gds" else "host"
 
     @property
-    def mmap_gather(self) -> bool:
-        """Whether shuffled batches are gathered from memory maps (compat mode with ``mmap_gather``)."""
-        return self._maps is not None
-
-    @property
     def num_threads(self) -> int:
         """kvikio's thread pool size when this source was made."""
         return self._num_threads
-
-    @property
-    def files(self) -> tuple[str, ...]:
-        """Every file the source reads."""
-        return tuple(self._paths)
-
-    def __len__(self) -> int:
-        return self._len
 
     def describe(self) -> str:
         """Mode, where reads land, kvikio threads, and the source the offsets came from."""
@@ -261,15 +242,7 @@ class GDSSource:
     def close(self) -> None:
         """Close this process's kvikio and OS file handles (a later ``read`` reopens them). Idempotent."""
         self._files.close()
-        self._fds.close()
-        if self._maps is not None:
-            self._maps.close()
-
-    def __enter__(self) -> GDSSource:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        super().close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
