@@ -40,3 +40,12 @@ def wait_no_threads(timeout=5.0):
 def no_leaked_threads():
     yield
     wait_no_threads()
+
+
+@pytest.fixture(autouse=True)
+def cpu_reads_ahead(monkeypatch):
+    """The suite runs the CPU path with its background thread (the pipeline the CUDA path uses), also on
+    a CI machine whose cores torch's threads already take; ``test_cpu_inline.py`` tests the other case."""
+    import gpufeed.prefetcher
+
+    monkeypatch.setattr(gpufeed.prefetcher, "_cpu_core_to_spare", lambda: True)

@@ -197,6 +197,10 @@ def test_bench_json_flag_prints_only_json_to_stdout(tmp_path, capsys):
     assert [m["key"] for m in doc["methods"]] == ["naive", "gpufeed_h5"]
     assert doc == json.loads((tmp_path / "bench.json").read_text())
     assert "[1/2] naive h5py + .to()" in cap.err and "[2/2] gpufeed H5Source" in cap.err
+    assert "[2/2, run 3/3] gpufeed H5Source" in cap.err  # three interleaved rounds by default
+    for m in doc["methods"]:  # the median of the three runs is the one reported
+        runs = m["extra"]["runs_GBps"]
+        assert len(runs) == 3 and round(m["GBps"], 3) == sorted(runs)[1]
     assert not (tmp_path / "bench.png").exists()
 
 
@@ -222,6 +226,7 @@ def test_bench_removes_its_data_unless_kept(tmp_path, capsys):
     (["--size", "1KiB"], "--size 1KiB is smaller than one row (4104 bytes); use e.g. 8MiB"),
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["--depth", "0"], "--depth must be >= 1, got 0"),
+    (["--repeat", "0"], "--repeat must be >= 1, got 0"),
     (["--methods", "naive,fast"],
      "--methods: unknown fast; choose from naive, dataloader, gpufeed_loader, gpufeed_h5, gpufeed_gds"),
     (["--device", "tpu"], "--device must be cpu, cuda or cuda:N, got 'tpu'"),

@@ -45,8 +45,8 @@ WRITE_BLOCK_BYTES = 64 << 20
 CPU_NOTE = (
     "no GPU: this run measures reading and batching on the CPU only (every batch lands in host memory);",
     "copies to the device, pinned memory and overlap with GPU compute are not measured.",
-    "On a machine with few cores, the reader threads and torch's own threads (the sum each method runs",
-    "on every batch) share them; run on a GPU machine for the comparison gpufeed is built for.",
+    "Where torch's threads take every core, gpufeed reads each batch on the loop's thread, and reading from",
+    "the page cache is a memory copy for every method; run on a GPU machine for what gpufeed is built for.",
 )
 
 #: (key, label) in the order they run; labels may be completed at run time (workers, GDS mode).
@@ -73,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=None,
                    help="DataLoader num_workers (default: half the CPUs, at most 8, as a user sizes them)")
     p.add_argument("--depth", type=int, default=2, help="gpufeed prefetch depth (default 2)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="runs of each method, in interleaved rounds; the median run is reported (default 3)")
     p.add_argument("--methods", default=",".join(METHOD_KEYS),
                    help=f"comma-separated subset of: {', '.join(METHOD_KEYS)}")
     p.add_argument("--data-dir", default=None,
@@ -91,6 +93,7 @@ class Config:
     workers: int
     depth: int
     methods: tuple[str, ...]
+    repeat: int = 3
     path: str = ""
     row_bytes: int = FEATURES * 4 + 8
     trace_dir: Path | None = None  # write trace-<method>.json here (gpufeed methods)
@@ -195,13 +198,15 @@ def _config(args: argparse.Namespace) -> Config:
         raise CLIError(f"--workers must be >= 0, got {args.workers}")
     if args.depth < 1:
         raise CLIError(f"--depth must be >= 1, got {args.depth}")
+    if args.repeat < 1:
+        raise CLIError(f"--repeat must be >= 1, got {args.repeat}")
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     unknown = [m for m in methods if m not in METHOD_KEYS]
     if unknown or not methods:
         raise CLIError(f"--methods: unknown {', '.join(unknown) or '(none given)'}; "
                        f"choose from {', '.join(METHOD_KEYS)}")
     return Config(device=device, size=size, rows=size // row_bytes, batch_size=args.batch_size,
-                  workers=args.workers, depth=args.depth, methods=methods)
+                  workers=args.workers, depth=args.depth, methods=methods, repeat=args.repeat)
 
 
 def _device(text: str | None) -> torch.device:
@@ -446,17 +451,33 @@ _RUNNERS: dict[str, Callable[[Config], tuple[_Meter, str, dict[str, Any]]]] = {
 
 
 def run_methods(cfg: Config, progress: TextIO) -> list[Result]:
+    """Run every selected method ``cfg.repeat`` times, in rounds (so drift in the machine's state hits
+    every method alike), and keep each method's median run."""
     selected = [(k, label) for k, label in METHODS if k in cfg.methods]
-    results = []
-    for i, (key, label) in enumerate(selected, 1):
-        res = _measure(cfg, key, label)
-        results.append(res)
-        say(f"  [{i}/{len(selected)}] {res.name:<34} {_progress_tail(res)}", progress)
+    runs: dict[str, list[Result]] = {k: [] for k, _ in selected}
+    for round_ in range(1, cfg.repeat + 1):
+        for i, (key, label) in enumerate(selected, 1):
+            if runs[key] and runs[key][-1].status != "ok":
+                continue  # skipped or failed: once is enough
+            res = _measure(cfg, key, label)
+            runs[key].append(res)
+            tag = f"{i}/{len(selected)}" + (f", run {round_}/{cfg.repeat}" if round_ > 1 else "")
+            say(f"  [{tag}] {res.name:<34} {_progress_tail(res)}", progress)
+    results = [_median_run(runs[k]) for k, _ in selected]
     base = next((r for r in results if r.key == "naive" and r.status == "ok"), None)
     for r in results:
         if r.status == "ok" and base is not None and base.GBps > 0:
             r.speedup = r.GBps / base.GBps
     return results
+
+
+def _median_run(runs: list[Result]) -> Result:
+    if runs[-1].status != "ok":
+        return runs[-1]
+    ranked = sorted(runs, key=lambda r: r.GBps)
+    res = ranked[(len(ranked) - 1) // 2]
+    res.extra["runs_GBps"] = [round(r.GBps, 3) for r in runs]
+    return res
 
 
 def _measure(cfg: Config, key: str, label: str) -> Result:

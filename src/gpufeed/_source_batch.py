@@ -226,8 +226,8 @@ class SourceBatch(ReadRequest):
         pieces = self._pieces(0, len(self.rows), self._row_bytes(), copier)
         jobs = [functools.partial(self.source.read, self.rows[a:b], {k: t[a:b] for k, t in out.items()})
                 for a, b in pieces]
-        small = len(jobs) == 1 and len(self.rows) * self._row_bytes() <= INLINE_BYTES
-        futs = [run_now(j) if small else self.chain.executor.submit(j) for j in jobs]
+        futs = [self.chain.executor.submit(j) for j in jobs[1:]]
+        futs.insert(0, run_now(jobs[0]))  # the calling thread reads a piece too: one thread handoff fewer
         try:
             for f in futs:
                 _result(f, stop)

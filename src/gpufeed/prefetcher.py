@@ -45,7 +45,9 @@ class CudaPrefetcher:
     loop computes on its own stream. Re-iterate it for each epoch; ``len``, ``set_epoch`` and
     ``state_dict`` behave as a DataLoader's. ``pf.stats`` (a :class:`~gpufeed.PrefetchStats`) says
     whether the loop waited for data: ``print(pf.stats.summary())``. Without CUDA (or with
-    ``device="cpu"``) the same class runs on the CPU: a background thread and no streams.
+    ``device="cpu"``) the same class runs on the CPU, without streams; it reads ahead on a background
+    thread only where a core is left beside torch's intra-op threads (``torch.get_num_threads()``), and
+    otherwise reads each batch on the loop's thread when the loop asks for it (as ``num_workers=0`` does).
 
     Example:
         >>> loader = [{"x": torch.arange(4)}, {"x": torch.arange(4, 8)}]
@@ -236,7 +238,8 @@ class CudaPrefetcher:
 
 
 class _EpochIterator:
-    """One epoch: a background thread producing :class:`Delivered` batches into a queue.
+    """One epoch: a background thread producing :class:`Delivered` batches into a queue (or, on a CPU
+    with no core to spare, the same deliveries made on the loop's thread in ``__next__``).
 
     The thread holds no reference to this object or to the prefetcher, so ``break``, ``del`` and
     garbage collection of the iterator stop it (a finalizer sets the stop flag and joins).
@@ -251,10 +254,15 @@ class _EpochIterator:
         self._reason = ""
         self._last_t: float | None = None
         self._consumer_stream = torch.cuda.current_stream(pf.device) if pf._cuda else None
-        args = (batches, pf._copier(), self._queue, self._slots, self._stop, self._consumer_stream)
-        self._thread = threading.Thread(target=_produce, args=args, name="gpufeed-fetch", daemon=True)
-        self._thread.start()
-        self._finalizer = weakref.finalize(self, _stop_thread, self._stop, self._thread, self._queue)
+        self._thread: threading.Thread | None = None
+        if pf._cuda or _cpu_core_to_spare():
+            args = (batches, pf._copier(), self._queue, self._slots, self._stop, self._consumer_stream)
+            self._thread = threading.Thread(target=_produce, args=args, name="gpufeed-fetch", daemon=True)
+            self._thread.start()
+            self._finalizer = weakref.finalize(self, _stop_thread, self._stop, self._thread, self._queue)
+        else:  # no core to spare: the loop's thread reads each batch when it asks for it
+            self._inline = _deliveries(batches, pf._copier(), self._stop, None, _no_wait)
+            self._finalizer = weakref.finalize(self, _close_inline, self._stop, self._inline)
 
     def __iter__(self) -> _EpochIterator:
         return self
@@ -265,13 +273,16 @@ class _EpochIterator:
                 raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
             raise StopIteration
         t0 = time.perf_counter()
-        try:
-            item = self._get()
-        except BaseException:  # Ctrl-C while waiting: stop the thread now, not at garbage collection
-            self._shutdown("")
-            raise
+        if self._thread is None:
+            item = self._read_inline()
+        else:
+            try:
+                item = self._get()
+            except BaseException:  # Ctrl-C while waiting: stop the thread now, not at garbage collection
+                self._shutdown("")
+                raise
+            self._slots.release()
         now = time.perf_counter()
-        self._slots.release()
         stats = self._pf.stats
         if self._last_t is None:  # the pipeline starting up: not a wait of the training loop
             stats.startup_s += now - t0
@@ -294,6 +305,12 @@ class _EpochIterator:
         if isinstance(item, _worker.Failure):
             item.reraise()
         raise StopIteration
+
+    def _read_inline(self) -> Any:
+        try:
+            return next(self._inline, _worker.END)
+        except BaseException as exc:  # re-raised by __next__ once the epoch is closed, as a thread's error
+            return _worker.Failure(exc)
 
     def _get(self) -> Any:
         q, thread = self._queue, self._thread
@@ -320,15 +337,30 @@ class _EpochIterator:
 def _produce(batches: Iterable[Any], copier: Copier, q: queue.SimpleQueue, slots: _worker.Slots,
              stop: threading.Event, consumer_stream: torch.cuda.Stream | None) -> None:
     """The background thread: pull, stage and copy each batch, then put it on the queue."""
-    it = None
     try:
         if copier.device.type == "cuda":
             torch.cuda.set_device(copier.device)
             torch.cuda.set_stream(copier.stream)  # this thread's current stream: every copy goes there
+        for item in _deliveries(batches, copier, stop, consumer_stream, slots.acquire):
+            q.put(item)
+        q.put(_worker.END)
+    except _worker.Stopped:
+        pass
+    except BaseException as exc:  # forwarded with its traceback; re-raised in the consumer
+        q.put(_worker.Failure(exc))
+
+
+def _deliveries(batches: Iterable[Any], copier: Copier, stop: threading.Event,
+                consumer_stream: torch.cuda.Stream | None,
+                wait_slot: Callable[[threading.Event], None]) -> Iterator[Delivered]:
+    """Pull each batch from ``batches`` and deliver it (staged and copied, or read); ``wait_slot`` runs
+    before each pull (the background thread waits there for a free place in the queue)."""
+    it = None
+    try:
         it = iter(batches)
         for index in itertools.count():
             _worker.check(stop)
-            slots.acquire(stop)
+            wait_slot(stop)
             t0 = time.perf_counter()
             with _nvtx.range("gpufeed.fetch"):
                 raw = next(it, _worker.END)
@@ -337,13 +369,8 @@ def _produce(batches: Iterable[Any], copier: Copier, q: queue.SimpleQueue, slots
             if copier.trace is not None:
                 copier.trace.add("fetch", int(t0 * 1e9), int(t1 * 1e9), "gpufeed-fetch", batch=index)
             if raw is _worker.END:
-                break
-            q.put(copier.deliver(raw, index, stop, consumer_stream))
-        q.put(_worker.END)
-    except _worker.Stopped:
-        pass
-    except BaseException as exc:  # forwarded with its traceback; re-raised in the consumer
-        q.put(_worker.Failure(exc))
+                return
+            yield copier.deliver(raw, index, stop, consumer_stream)
     finally:
         try:
             if isinstance(it, types.GeneratorType):
@@ -351,6 +378,29 @@ def _produce(batches: Iterable[Any], copier: Copier, q: queue.SimpleQueue, slots
             del it  # a DataLoader iterator shuts its workers down here
         finally:
             copier.finish()
+
+
+def _no_wait(stop: threading.Event) -> None:
+    """An inline epoch has no queue to wait for: the loop takes each batch as it is read."""
+
+
+def _cpu_core_to_spare() -> bool:
+    """Whether a CPU prefetcher reads ahead on a background thread: only where a core is left beside
+    torch's intra-op threads (``torch.get_num_threads()``). Otherwise the loop's compute already runs on
+    every core, and reads beside it slow that compute more than they hide."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return cores > torch.get_num_threads()
+
+
+def _close_inline(stop: threading.Event, deliveries: Iterator[Delivered]) -> None:
+    stop.set()
+    try:
+        deliveries.close()  # type: ignore[attr-defined]  # its finally closes the loader's iterator
+    except ValueError:  # closed from another thread while the loop's thread reads: it stops at ``stop``
+        pass
 
 
 def _stop_thread(stop: threading.Event, thread: threading.Thread, q: queue.SimpleQueue) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Literal
 
 import numpy as np
+import numpy.random  # numpy loads it on first use: here, not in an epoch's first batch
 
 from ._runs import row_array, run_bounds
 from .base import Rows

@@ -1,0 +1,100 @@
+"""A CPU prefetcher with no core to spare reads each batch on the loop's thread, when the loop asks for it."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import gpufeed.prefetcher
+from conftest import gpufeed_threads
+from gpufeed import CudaPrefetcher, RawSource, SourceLoader
+
+real_core_to_spare = gpufeed.prefetcher._cpu_core_to_spare  # the suite's autouse fixture patches it
+
+
+@pytest.fixture
+def inline(monkeypatch):
+    monkeypatch.setattr(gpufeed.prefetcher, "_cpu_core_to_spare", lambda: False)
+
+
+class Pulls:
+    """A loader whose iterator counts the batches pulled from it and whether it was closed."""
+
+    def __init__(self, n, fail_at=None):
+        self.n, self.fail_at = n, fail_at
+        self.pulled = 0
+        self.closed = False
+
+    def __iter__(self):
+        try:
+            for i in range(self.n):
+                if i == self.fail_at:
+                    raise KeyError(f"bad sample in batch {i}")
+                self.pulled += 1
+                yield {"x": torch.full((3,), i)}
+        finally:
+            self.closed = True
+
+
+@pytest.mark.parametrize(("cores", "threads", "spare"),
+                         [(4, 4, False), (4, 8, False), (4, 3, True), (2, 1, True)])
+def test_a_core_is_spare_only_beside_torchs_threads(monkeypatch, cores, threads, spare):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert real_core_to_spare() is spare
+
+
+def test_each_batch_is_pulled_when_the_loop_asks_on_its_own_thread(inline):
+    loader = Pulls(5)
+    got = []
+    for i, batch in enumerate(CudaPrefetcher(loader, device="cpu", depth=3)):
+        assert loader.pulled == i + 1  # nothing read ahead
+        assert not gpufeed_threads()
+        got.append(batch["x"].tolist())
+    assert got == [[i] * 3 for i in range(5)]
+    assert loader.closed
+
+
+def test_an_error_arrives_at_its_batch_and_the_loader_is_closed(inline):
+    loader = Pulls(6, fail_at=3)
+    pf = CudaPrefetcher(loader, device="cpu")
+    seen = []
+    with pytest.raises(KeyError, match="bad sample in batch 3"):
+        for batch in pf:
+            seen.append(int(batch["x"][0]))
+    assert seen == [0, 1, 2]
+    assert loader.closed
+    loader.closed, again = False, []
+    with pytest.raises(KeyError, match="bad sample in batch 3"):  # the next epoch starts over
+        for batch in pf:
+            again.append(int(batch["x"][0]))
+    assert again == [0, 1, 2] and loader.closed
+
+
+def test_break_closes_the_loaders_iterator(inline):
+    loader = Pulls(10)
+    pf = CudaPrefetcher(loader, device="cpu")
+    it = iter(pf)
+    next(it)
+    next(it)
+    it.close()
+    assert loader.closed and loader.pulled == 2
+    with pytest.raises(RuntimeError, match="stopped: closed"):
+        next(it)
+
+
+def test_source_batches_read_inline_are_exact(inline, tmp_path):
+    data = np.arange(1000 * 6, dtype=np.float32).reshape(1000, 6)
+    np.save(tmp_path / "x.npy", data)
+    with RawSource(fields={"x": tmp_path / "x.npy"}) as src:
+        loader = SourceLoader(src, batch_size=64, shuffle=True, seed=3, num_threads=2)
+        with CudaPrefetcher(loader, device="cpu") as pf:
+            for _ in range(2):
+                rows = []
+                it = iter(pf)
+                for batch, want in zip(it, loader.plan(pf.epoch), strict=True):
+                    assert torch.equal(batch["x"], torch.from_numpy(data[want]))
+                    rows.extend(want.tolist())
+                assert sorted(rows) == list(range(1000))
+                assert not [t for t in gpufeed_threads() if t.name == "gpufeed-fetch"]
