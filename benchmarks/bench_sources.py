@@ -415,6 +415,8 @@ class RandomPread16(Pread16):
 
     A thread's preads go out in one ``pread_many`` call, from C with the GIL released, where gpufeed's
     native reader was built (``reader`` says ``native``): a Python loop would measure the GIL, not the disk.
+    Each is one blocking ``pread`` (``ahead=False``): gpufeed's own read-ahead of uncached rows is not part
+    of the baseline.
     """
 
     def __init__(self, cfg: Config, path: Path, offset: int, row_bytes: int, limit_bytes: int | None) -> None:
@@ -437,7 +439,7 @@ class RandomPread16(Pread16):
             sizes = (stops - starts) * rb
             dst = a * rb + np.cumsum(sizes) - sizes
             _pread.pread_many(self.fds, [str(self.path)], 0, self.offset + starts * rb, sizes, dst,
-                              buf.data_ptr(), buf.numel())
+                              buf.data_ptr(), buf.numel(), ahead=False)
 
         list(self.pool.map(piece, range(0, len(rows), step)))
         return len(rows)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -187,3 +190,23 @@ def test_no_hdf5_file_stays_open_after_construction(tmp_path):
     H5Source(tmp_path / "a.h5", fields=["x"])
     with h5py.File(tmp_path / "a.h5", "a") as f:  # would fail on a file locked for reading elsewhere
         f["x"][0] = 0
+
+
+def test_a_file_cut_after_h5py_opened_it_is_an_error_not_zeros(tmp_path):
+    """HDF5 reads past the end of an open file as zeros, without an error: rows of an lzf field (read by
+    h5py) whose chunks were cut off must raise OSError naming the file, never come back wrong."""
+    x = np.arange(200 * 1000, dtype=np.float32).reshape(200, 1000)
+    path = tmp_path / "l.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=x, chunks=(10, 1000), compression="lzf")
+    src = H5Source(path, fields=["x"])
+    out = {"x": torch.empty(10, 1000)}
+    src.read(np.arange(10), out)  # h5py has the file open now
+    assert torch.equal(out["x"], torch.from_numpy(x[:10]))
+    size = path.stat().st_size
+    os.truncate(path, size // 2)
+    for start in (0, 100):  # a chunk before the cut, and one past it (h5py alone returned it wrong)
+        with pytest.raises(OSError, match=re.escape(f"of {path} through h5py: the file is {size // 2} bytes, "
+                                                    f"shorter than the {size} it had")):
+            src.read(np.arange(start, start + 10), out)
+    src.close()

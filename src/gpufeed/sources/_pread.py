@@ -3,7 +3,8 @@ package was built with it, else a Python loop of ``os.preadv``. Both raise the s
 
 Why: a shuffled batch is thousands of short runs, and each ``os.preadv`` from Python drops and retakes the
 GIL, so the reader threads take turns at it (about 130k reads/s in all on an H100 host). A ctypes call
-releases the GIL once for all the reads of a piece (docs/design.md, "Shuffled rows").
+releases the GIL once for all the reads of a piece (docs/design.md, "Shuffled rows"), and on Linux it first
+starts the kernel's reads of every row the page cache lacks, so a cold batch's reads are all in flight.
 
 The library is built by ``hatch_build.py`` when the package is built, never at run time; set
 ``GPUFEED_NATIVE_PREAD=0`` to use the Python loop anyway.
@@ -22,7 +23,7 @@ import numpy as np
 from ._files import FileDescriptors, pread_exact, short_read_message
 
 LIBRARY = Path(__file__).with_name("_pread_many.so")
-ABI = 1  # gpufeed_pread_abi() of the library this module calls
+ABI = 2  # gpufeed_pread_abi() of the library this module calls
 
 
 def _load() -> Any:
@@ -38,7 +39,7 @@ def _load() -> Any:
     except (OSError, AttributeError):  # built for another platform, or a stale build
         return None
     fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p]
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
     return fn
 
 
@@ -52,10 +53,15 @@ def backend() -> str:
 
 def pread_many(
     fds: FileDescriptors, paths: Sequence[str], files: int | np.ndarray, offsets: np.ndarray,
-    sizes: np.ndarray, dst: np.ndarray, addr: int, nbytes: int,
+    sizes: np.ndarray, dst: np.ndarray, addr: int, nbytes: int, ahead: bool = True,
 ) -> None:
     """Read ``sizes[i]`` bytes at ``offsets[i]`` of file ``files[i]`` (or of file ``files``) into byte
     ``dst[i]`` of the ``nbytes`` of host memory at ``addr``, for every ``i``, in order.
+
+    With ``ahead`` (the native reader on Linux), the rows the page cache holds are copied first without
+    blocking and the kernel is asked to read all the others at once (``posix_fadvise(WILLNEED)``), so a
+    cold batch keeps the disk's queue full instead of one read in flight per thread; ``ahead=False`` is
+    one blocking ``pread`` per read (a plain random-read baseline).
 
     Raises:
         OSError: a read failed, or the file ended early; the message names the file.
@@ -76,7 +82,7 @@ def pread_many(
     args = [np.ascontiguousarray(a, dtype=np.int64) for a in (offsets, sizes, dst)]
     status = np.zeros(2, dtype=np.int64)
     bad = native(fd_of.ctypes.data, args[0].ctypes.data, args[1].ctypes.data, addr, args[2].ctypes.data,
-                 n, status.ctypes.data)
+                 n, status.ctypes.data, int(ahead))
     if bad >= 0:
         f = files if isinstance(files, int) else int(files[bad])
         raise _read_error(paths[f], int(offsets[bad]), int(sizes[bad]), int(status[0]), int(status[1]))

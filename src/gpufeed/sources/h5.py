@@ -126,8 +126,7 @@ class H5Source(HostFileSource):
         if decode not in ("auto", "gpu", "cpu"):
             raise ValueError(f"H5Source: decode must be 'auto', 'gpu' or 'cpu', got {decode!r}")
         self._paths = as_paths(paths, "H5Source")
-        for p in self._paths:
-            check_file(p, "H5Source")
+        self._sizes = [check_file(p, "H5Source") for p in self._paths]  # h5py reads past a cut as zeros
         names: dict[str, str] = {}
         found: list[dict[str, _Found]] = []
         for i, path in enumerate(self._paths):
@@ -293,15 +292,26 @@ class H5Source(HostFileSource):
                 pread_exact(self._fds.get(ext.file), dest, ext.offset + r * rn, self._paths[ext.file])
                 continue
             src = np.s_[ext.row0 + r : ext.row0 + r + k]
+            what = (f"reading rows {ext.row0 + r}..{ext.row0 + r + k - 1} of dataset '{ext.dataset}' of "
+                    f"{self._paths[ext.file]} through h5py")
             try:
                 with _H5PY_LOCK:
                     self._h5.dataset(ext.file, ext.dataset).read_direct(arr, src, np.s_[o : o + k])
             except OSError as exc:  # h5py's own message names neither the file nor a fix
-                path = self._paths[ext.file]
-                msg = (f"reading rows {ext.row0 + r}..{ext.row0 + r + k - 1} of dataset '{ext.dataset}' of "
-                       f"{path} through h5py failed ({exc}); the file may be truncated or damaged: check it "
-                       "with h5dump, or recreate it")
+                msg = (f"{what} failed ({exc}); the file may be truncated or damaged: check it with h5dump, "
+                       "or recreate it")
                 raise (OSError(exc.errno, msg) if exc.errno else OSError(msg)) from exc
+            self._check_size(ext.file, what)
+
+    def _check_size(self, i: int, what: str) -> None:
+        """HDF5 fills a read past the end of a file with zeros, without an error: a file cut while (or
+        before) h5py read it gives rows that look valid. Checked after each read, so a cut during it is
+        seen too."""
+        size = os.fstat(self._fds.get(i)).st_size
+        if size < self._sizes[i]:
+            raise OSError(f"{what}: the file is {size} bytes, shorter than the {self._sizes[i]} it had "
+                          "when the source was opened (truncated or rewritten?); check it with h5dump, or "
+                          "recreate the source")
 
     def close(self) -> None:
         """Close this process's file descriptors and h5py files (a later ``read`` reopens). Idempotent."""
