@@ -37,12 +37,17 @@ static int read_rest(int fd, char *to, int64_t size, int64_t offset, int64_t don
 /* The first pass of a read-ahead call: copy what the page cache holds without blocking, and ask the kernel
  * to start reading every other byte now (posix_fadvise WILLNEED), so that all of a cold batch's reads are
  * in flight at once rather than one per thread. A read the cache holds costs one syscall, as without it.
+ * Reads shorter than a page are left to the second pass: a blocking read of a missing page also reads the
+ * kernel's window around it, which serves the small reads near it, where an advice reads just the page.
  * Errors are left to the second pass, which meets them again in order. */
 static void read_cached_and_advise(const int32_t *fds, const int64_t *offsets, const int64_t *sizes,
                                    char *base, const int64_t *dst, int64_t n, int64_t *done)
 {
 #ifdef RWF_NOWAIT
+    const int64_t page = sysconf(_SC_PAGESIZE);
     for (int64_t i = 0; i < n; i++) {
+        if (sizes[i] < page)
+            continue;
         struct iovec iov = {base + dst[i], (size_t)sizes[i]};
         ssize_t got = preadv2(fds[i], &iov, 1, (off_t)offsets[i], RWF_NOWAIT);
         if (got < 0 && (errno == EOPNOTSUPP || errno == ENOSYS || errno == EINVAL))
