@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 h5py = pytest.importorskip("h5py")
 
 from gpufeed.sources import H5Source, _gpu_inflate, _nvcomp  # noqa: E402
-from gpufeed.sources.h5_chunks import CorruptChunkError, chunk_table  # noqa: E402
+from gpufeed.sources.h5_chunks import CorruptChunkError, chunk_table, unshuffle  # noqa: E402
 from gpufeed.testing import SourceContract  # noqa: E402
 
 # (shape, chunks, dtype): 1-D and N-D, chunks that hold whole samples, that split them, that do not divide
@@ -415,3 +415,10 @@ def test_the_gpu_read_waits_for_the_callers_stream(tmp_path, nvcomp_gpu):
     src.read(range(400), {"x": out})
     torch.cuda.synchronize()
     assert _same(out.cpu(), a)
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+def test_unshuffle_puts_every_byte_plane_back(itemsize):
+    elements = np.random.default_rng(itemsize).integers(0, 256, size=(1000, itemsize), dtype=np.uint8)
+    planes = np.ascontiguousarray(elements.T).reshape(-1)  # what the shuffle filter stores
+    assert np.array_equal(unshuffle(planes, itemsize), elements.reshape(-1))

@@ -197,9 +197,20 @@ def inflate(table: ChunkTable, fd: int, chunk: int) -> np.ndarray:
     if len(data) != table.chunk_nbytes:
         raise table.corrupt(chunk, f"it decodes to {len(data)} bytes, a chunk holds {table.chunk_nbytes}")
     arr = np.frombuffer(data, dtype=np.uint8)
-    if table.shuffle:  # the filter stored byte 0 of every element, then byte 1, ...: transpose back
-        arr = arr.reshape(table.itemsize, -1).T
+    if table.shuffle:
+        arr = unshuffle(arr, table.itemsize)
     return arr.reshape(table.chunk_byte_shape())
+
+
+def unshuffle(planes: np.ndarray, itemsize: int) -> np.ndarray:
+    """Undo the shuffle filter, which stores byte 0 of every element, then byte 1, ...: one strided copy per
+    byte plane, where numpy's copy of the transposed array walks it in tiny steps (docs/design.md)."""
+    out = np.empty_like(planes)
+    m = planes.size // itemsize
+    elements = out.reshape(m, itemsize)
+    for j in range(itemsize):
+        elements[:, j] = planes[j * m : (j + 1) * m]
+    return out
 
 
 def describe(table: ChunkTable) -> str:
