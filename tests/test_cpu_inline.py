@@ -1,6 +1,7 @@
 """A CPU prefetcher with no core to spare reads each batch on the loop's thread, when the loop asks for it."""
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -98,3 +99,26 @@ def test_source_batches_read_inline_are_exact(inline, tmp_path):
                     rows.extend(want.tolist())
                 assert sorted(rows) == list(range(1000))
                 assert not [t for t in gpufeed_threads() if t.name == "gpufeed-fetch"]
+
+
+@pytest.mark.parametrize(("num_threads", "readers"), [(None, 0), (3, 2)])
+def test_inline_reads_use_the_loops_thread_unless_asked_for_more(inline, tmp_path, num_threads, readers):
+    """An automatic num_threads reads an inline batch with the loop's thread alone; an explicit one splits
+    it (the calling thread reads one piece, the pool the others)."""
+    data = np.arange(4096 * 1024, dtype=np.float32).reshape(4096, 1024)  # 16 MiB: pieces of >= 4 MiB
+    np.save(tmp_path / "x.npy", data)
+    seen = set()
+    with RawSource(fields={"x": tmp_path / "x.npy"}) as src:
+        real = src.read
+
+        def read(rows, out):
+            seen.add(threading.current_thread().name)
+            real(rows, out)
+
+        src.read = read
+        loader = SourceLoader(src, batch_size=4096, num_threads=num_threads)
+        with CudaPrefetcher(loader, device="cpu") as pf:
+            (batch,) = list(pf)
+            assert torch.equal(batch["x"], torch.from_numpy(data))
+    assert threading.main_thread().name in seen
+    assert len([n for n in seen if n.startswith("gpufeed-read")]) == readers

@@ -223,7 +223,7 @@ class SourceBatch(ReadRequest):
             t.copy_(host[k])
 
     def _read_direct(self, copier: Copier, out: dict[str, torch.Tensor], stop: threading.Event) -> None:
-        pieces = self._pieces(0, len(self.rows), self._row_bytes(), copier)
+        pieces = self._pieces(0, len(self.rows), self._row_bytes(), None)  # no staging buffer to fit
         jobs = [functools.partial(self.source.read, self.rows[a:b], {k: t[a:b] for k, t in out.items()})
                 for a, b in pieces]
         futs = [self.chain.executor.submit(j) for j in jobs[1:]]
@@ -245,13 +245,16 @@ class SourceBatch(ReadRequest):
     def _row_bytes(self) -> int:
         return max(1, sum(f.sample_nbytes for f in self.source.fields.values()))
 
-    def _pieces(self, r0: int, r1: int, row_bytes: int, copier: Copier) -> list[tuple[int, int]]:
+    def _pieces(self, r0: int, r1: int, row_bytes: int, fill_bytes: int | None) -> list[tuple[int, int]]:
         # One read per worker thread for the batch, so every thread reads (like a 16-thread pread), but
         # none under MIN_READ_BYTES: each read wakes a thread that takes the GIL, which a launch-bound
-        # training step (the consumer) waits for; small batches are read by one thread.
-        per_thread = -(-len(self.rows) // self.chain.threads)
-        per = max(1, min(copier.pool.fill_bytes // row_bytes, max(per_thread, MIN_READ_BYTES // row_bytes)))
-        return [(r0 + a, r0 + a + k) for a, k in split(r1 - r0, per)]
+        # training step (the consumer) waits for; small batches are read by one thread. A read into a
+        # staging buffer also fits one worker's share of it (``fill_bytes``).
+        per_thread = -(-(r1 - r0) // self.chain.threads)
+        per = max(per_thread, MIN_READ_BYTES // row_bytes)
+        if fill_bytes is not None:
+            per = min(fill_bytes // row_bytes, per)
+        return [(r0 + a, r0 + a + k) for a, k in split(r1 - r0, max(1, per))]
 
     def _make_plan(self, copier: Copier) -> list[Any]:
         row_bytes = self._row_bytes()
@@ -259,7 +262,8 @@ class SourceBatch(ReadRequest):
         plan = []
         for r0, k in split(len(self.rows), per_chunk):
             offsets, nbytes = regions(self.source.fields, k)
-            plan.append((r0, r0 + k, offsets, nbytes, self._pieces(r0, r0 + k, row_bytes, copier)))
+            pieces = self._pieces(r0, r0 + k, row_bytes, copier.pool.fill_bytes)
+            plan.append((r0, r0 + k, offsets, nbytes, pieces))
         return plan
 
     def _bind(self, buf: Any, offsets: dict[str, int], r0: int, pieces: list[tuple[int, int]]) -> list[Any]:

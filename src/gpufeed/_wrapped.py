@@ -101,7 +101,7 @@ class WrappedLoader:
         self.source.load_state_dict(state["loader"])
         return int(state["epoch"]), 0
 
-    def batches(self, epoch: int, start: int = 0) -> Iterable[Any]:
+    def batches(self, epoch: int, start: int = 0, spare_core: bool = True) -> Iterable[Any]:
         if self._one_shot and self._iterated:
             warnings.warn(
                 f"gpufeed: the wrapped {type(self.source).__name__} is an iterator, used up by the first "
@@ -111,7 +111,7 @@ class WrappedLoader:
             self._one_shot = False  # said once
         self._iterated = True
         if self.source_loader is not None:
-            return _source_batches(self.source_loader, epoch, start)
+            return _source_batches(self.source_loader, epoch, start, spare_core)
         if self._factory is not None:
             return _Lazy(self._factory)
         if self.stateful:
@@ -130,8 +130,8 @@ class _Lazy:
         return iter(self.factory())
 
 
-def _source_batches(loader: Any, epoch: int, start: int) -> Iterator[WithState]:
-    it = loader.batches(epoch, start)
+def _source_batches(loader: Any, epoch: int, start: int, spare_core: bool) -> Iterator[WithState]:
+    it = loader.batches(epoch, start, spare_core=spare_core)
     try:
         for request in it:
             yield WithState(request, loader.state_at(epoch, request.index + 1))

@@ -164,7 +164,8 @@ class CudaPrefetcher:
                 self.epoch = self._loader.next_epoch(self.epoch, self._started, self._epoch_set)
             self._started = self._epoch_set = False
             self._state = self._loader.initial_state(self.epoch, start)
-            it = _EpochIterator(self, self._loader.batches(self.epoch, start))
+            inline = not self._cuda and not _cpu_core_to_spare()
+            it = _EpochIterator(self, self._loader.batches(self.epoch, start, spare_core=not inline), inline)
             self._current = weakref.ref(it)
         return it
 
@@ -245,7 +246,7 @@ class _EpochIterator:
     garbage collection of the iterator stop it (a finalizer sets the stop flag and joins).
     """
 
-    def __init__(self, pf: CudaPrefetcher, batches: Iterable[Any]) -> None:
+    def __init__(self, pf: CudaPrefetcher, batches: Iterable[Any], inline: bool) -> None:
         self._pf = pf  # keeps the prefetcher (stream, pool) alive while an epoch runs
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._slots = _worker.Slots(pf.depth)
@@ -255,7 +256,7 @@ class _EpochIterator:
         self._last_t: float | None = None
         self._consumer_stream = torch.cuda.current_stream(pf.device) if pf._cuda else None
         self._thread: threading.Thread | None = None
-        if pf._cuda or _cpu_core_to_spare():
+        if not inline:
             args = (batches, pf._copier(), self._queue, self._slots, self._stop, self._consumer_stream)
             self._thread = threading.Thread(target=_produce, args=args, name="gpufeed-fetch", daemon=True)
             self._thread.start()

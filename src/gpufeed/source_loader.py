@@ -73,7 +73,8 @@ class SourceLoader:
         rank, world_size: this process's shard (default: from ``torch.distributed`` when initialized).
         pad: repeat samples so that every rank gets as many batches as the others (see
             :func:`gpufeed.sources.plan_batches`).
-        num_threads: reader threads (default: up to 8).
+        num_threads: reader threads (default: up to 8; where a CPU prefetcher has no core to spare and
+            reads on the loop's thread, that thread alone).
 
     """
 
@@ -99,6 +100,7 @@ class SourceLoader:
         self.source = source
         self.batch_size = batch_size
         self.num_threads = num_threads or min(8, os.cpu_count() or 1)  # docs/design.md: why 8 readers
+        self._threads_auto = num_threads is None
         self.config = dict(batch_size=batch_size, shuffle=shuffle, drop_last=bool(drop_last), seed=int(seed),
                            rank=rank, world_size=world_size, pad=bool(pad))
         self.epoch = 0
@@ -138,12 +140,18 @@ class SourceLoader:
         """A batch of ``epoch`` was handed out: it is the current epoch, and the next iteration a new one."""
         self.epoch, self._started, self._epoch_set = epoch, True, False
 
-    def batches(self, epoch: int, start: int = 0) -> Iterator[ReadRequest]:
+    def batches(self, epoch: int, start: int = 0, *, spare_core: bool = True) -> Iterator[ReadRequest]:
         """The read requests of ``epoch`` from batch ``start`` on; touches no state of this loader, so a
-        prefetcher's fetch thread can run it while the training thread uses the loader."""
+        prefetcher's fetch thread can run it while the training thread uses the loader.
+
+        ``spare_core=False``: the loop's own thread reads them (a CPU prefetcher with no core to spare), and
+        an automatic ``num_threads`` is that thread alone: handing pieces of a batch to other threads then
+        only adds handoffs, as the loop's compute is waiting anyway (docs/design.md).
+        """
         from gpufeed._source_batch import EpochReads
 
-        reads = EpochReads(self.source, self.plan(epoch), self.num_threads)
+        threads = 1 if self._threads_auto and not spare_core else self.num_threads
+        reads = EpochReads(self.source, self.plan(epoch), threads)
         try:
             for i in range(start, len(reads.plan)):
                 yield reads.get(i)
