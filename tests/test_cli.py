@@ -595,7 +595,7 @@ def test_convert_without_the_convert_module(mixed_h5, tmp_path, capsys, monkeypa
 
 def test_bench_trace_writes_a_perfetto_trace_per_gpufeed_method(tmp_path, capsys):
     rc = main(["bench", "--size", "1MiB", "--device", "cpu", "--out", str(tmp_path), "--no-chart", "--trace",
-               "--methods", "naive,gpufeed_h5", "--batch-size", "64"])
+               "--methods", "naive,gpufeed_h5", "--batch-size", "64", "--repeat", "1"])
     assert rc == 0
     trace = tmp_path / "trace-gpufeed_h5.json"
     assert capsys.readouterr().out.splitlines()[-1] == f"wrote {tmp_path / 'bench.json'}, {trace}"
@@ -605,6 +605,17 @@ def test_bench_trace_writes_a_perfetto_trace_per_gpufeed_method(tmp_path, capsys
     batches = -(-((1 << 20) // ROW) // 64)
     assert len([e for e in spans if e["name"] == "wait"]) == batches + 1  # + the end of the epoch
     assert json.loads((tmp_path / "bench.json").read_text())["methods"][1]["extra"]["trace"] == str(trace)
+
+
+def test_bench_trace_keeps_one_trace_per_run_and_points_at_the_reported_one(tmp_path, capsys):
+    rc = main(["bench", "--size", "1MiB", "--device", "cpu", "--out", str(tmp_path), "--no-chart", "--trace",
+               "--methods", "gpufeed_h5", "--batch-size", "64", "--repeat", "3"])
+    assert rc == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["bench.json"] + [f"trace-gpufeed_h5-run{r}.json" for r in (1, 2, 3)]
+    m = json.loads((tmp_path / "bench.json").read_text())["methods"][0]
+    reported = sorted(range(3), key=lambda r: m["extra"]["runs_GBps"][r])[1] + 1  # the median run
+    assert m["extra"]["trace"] == str(tmp_path / f"trace-gpufeed_h5-run{reported}.json")
 
 
 def test_gpufeed_debug_shows_the_traceback(tmp_path, monkeypatch, capsys):

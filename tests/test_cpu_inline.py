@@ -2,6 +2,7 @@
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -101,7 +102,7 @@ def test_source_batches_read_inline_are_exact(inline, tmp_path):
                 assert not [t for t in gpufeed_threads() if t.name == "gpufeed-fetch"]
 
 
-@pytest.mark.parametrize(("num_threads", "readers"), [(None, 0), (3, 2)])
+@pytest.mark.parametrize(("num_threads", "readers"), [(None, range(0, 1)), (3, range(1, 3))])
 def test_inline_reads_use_the_loops_thread_unless_asked_for_more(inline, tmp_path, num_threads, readers):
     """An automatic num_threads reads an inline batch with the loop's thread alone; an explicit one splits
     it (the calling thread reads one piece, the pool the others)."""
@@ -121,4 +122,70 @@ def test_inline_reads_use_the_loops_thread_unless_asked_for_more(inline, tmp_pat
             (batch,) = list(pf)
             assert torch.equal(batch["x"], torch.from_numpy(data))
     assert threading.main_thread().name in seen
-    assert len([n for n in seen if n.startswith("gpufeed-read")]) == readers
+    assert len([n for n in seen if n.startswith("gpufeed-read")]) in readers  # a pool thread may take both
+
+
+class Slow(Pulls):
+    """A loader whose batch ``at`` takes ``delay`` seconds to pull."""
+
+    def __init__(self, n, at, delay):
+        super().__init__(n)
+        self.at, self.delay = at, delay
+
+    def __iter__(self):
+        try:
+            for i in range(self.n):
+                if i == self.at:
+                    time.sleep(self.delay)
+                self.pulled += 1
+                yield {"x": torch.full((3,), i)}
+        finally:
+            self.closed = True
+
+
+def test_a_close_from_another_thread_during_a_read_ends_the_epoch_there(inline):
+    """The batch being read when another thread closes the prefetcher is not handed out: the loop gets the
+    stop error, and the loader's iterator is closed by the time it does."""
+    loader = Slow(5, at=1, delay=0.5)
+    pf = CudaPrefetcher(loader, device="cpu")
+    it = iter(pf)
+    assert int(next(it)["x"][0]) == 0
+    closer = threading.Timer(0.1, pf.close)
+    closer.start()
+    with pytest.raises(RuntimeError, match="stopped: the CudaPrefetcher was closed"):
+        next(it)
+    closer.join()
+    assert loader.closed and loader.pulled == 2
+
+
+def test_ctrl_c_in_the_loader_arrives_at_its_batch_and_closes_the_epoch(inline):
+    class Interrupted(Pulls):
+        def __iter__(self):
+            try:
+                for i in range(self.n):
+                    if i == 2:
+                        raise KeyboardInterrupt
+                    yield {"x": torch.full((3,), i)}
+            finally:
+                self.closed = True
+
+    loader = Interrupted(5)
+    seen = []
+    with pytest.raises(KeyboardInterrupt):
+        for batch in CudaPrefetcher(loader, device="cpu"):
+            seen.append(int(batch["x"][0]))
+    assert seen == [0, 1] and loader.closed
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("stop_at", [(0, 0), (0, 5), (1, 3)])
+def test_resume_inline_yields_exactly_the_rest(inline, shuffle, stop_at):
+    from test_source_mode import test_resume_yields_exactly_the_rest as resume
+
+    resume(shuffle, 2, stop_at)
+
+
+def test_static_batches_inline(inline):
+    from test_trace_and_static import test_static_batches_share_storage_and_pad_the_last as static
+
+    static(torch.device("cpu"))

@@ -74,14 +74,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DataLoader num_workers (default: half the CPUs, at most 8, as a user sizes them)")
     p.add_argument("--depth", type=int, default=2, help="gpufeed prefetch depth (default 2)")
     p.add_argument("--repeat", type=int, default=3,
-                   help="runs of each method, in interleaved rounds; the median run is reported (default 3)")
+                   help="runs of each method, in interleaved rounds; the median run is reported (the lower "
+                        "middle one for an even count; default 3)")
     p.add_argument("--methods", default=",".join(METHOD_KEYS),
                    help=f"comma-separated subset of: {', '.join(METHOD_KEYS)}")
     p.add_argument("--data-dir", default=None,
                    help="where to write the temporary HDF5 file (default: the system temp folder)")
     p.add_argument("--keep-data", action="store_true", help="keep the HDF5 file (its path is printed)")
     p.add_argument("--trace", action="store_true",
-                   help="write a Chrome/Perfetto trace per gpufeed method into --out (trace-<method>.json)")
+                   help="write a Chrome/Perfetto trace per gpufeed method and run into --out "
+                        "(trace-<method>-run<N>.json; trace-<method>.json with --repeat 1)")
 
 
 @dataclass
@@ -94,9 +96,10 @@ class Config:
     depth: int
     methods: tuple[str, ...]
     repeat: int = 3
+    run: int = 1  # the round being measured (1 .. repeat)
     path: str = ""
     row_bytes: int = FEATURES * 4 + 8
-    trace_dir: Path | None = None  # write trace-<method>.json here (gpufeed methods)
+    trace_dir: Path | None = None  # write the gpufeed methods' traces here
 
     @property
     def batches(self) -> int:
@@ -395,7 +398,8 @@ def _prefetched(cfg: Config, key: str, source: Any, **kw: Any) -> tuple[_Meter, 
         meter.stall_fraction = pf.stats.stall_fraction
         extra["stats"] = pf.stats.as_dict()
         if cfg.trace_dir is not None:
-            extra["trace"] = str(pf.export_trace(cfg.trace_dir / f"trace-{key}.json"))
+            name = f"trace-{key}.json" if cfg.repeat == 1 else f"trace-{key}-run{cfg.run}.json"
+            extra["trace"] = str(pf.export_trace(cfg.trace_dir / name))
     return meter, extra
 
 
@@ -459,7 +463,10 @@ def run_methods(cfg: Config, progress: TextIO) -> list[Result]:
         for i, (key, label) in enumerate(selected, 1):
             if runs[key] and runs[key][-1].status != "ok":
                 continue  # skipped or failed: once is enough
+            cfg.run = round_
             res = _measure(cfg, key, label)
+            if res.status == "failed" and round_ > 1:  # its earlier runs were fine
+                res.reason = f"run {round_} of {cfg.repeat}: {res.reason}"
             runs[key].append(res)
             tag = f"{i}/{len(selected)}" + (f", run {round_}/{cfg.repeat}" if round_ > 1 else "")
             say(f"  [{tag}] {res.name:<34} {_progress_tail(res)}", progress)

@@ -43,9 +43,9 @@ def split(total: int, piece: int) -> list[tuple[int, int]]:
     return [(off, min(piece, total - off)) for off in range(0, total, piece)]
 
 
-#: A source read this small (a small batch's one read) runs on the background thread itself: handing it
-#: to a worker costs GIL handoffs (submit, wake, result, wake), and each can delay the training thread's
-#: next torch call.
+#: A staged batch that is one read this small runs on the background thread itself: handing it to a worker
+#: costs GIL handoffs (submit, wake, result, wake), and each can delay the training thread's next torch call.
+#: (A direct read always reads its first piece on the calling thread.)
 INLINE_BYTES = 1 << 20
 
 
@@ -238,7 +238,7 @@ class SourceBatch(ReadRequest):
     # -- planning ----------------------------------------------------------------------------------
 
     def _inline(self) -> bool:
-        """Read on the background thread itself: the batch is one small read (see ``INLINE_BYTES``)."""
+        """A staged batch read on the background thread itself: one small read (see ``INLINE_BYTES``)."""
         plan = self._plan or ()
         return len(plan) == 1 and len(plan[0][4]) == 1 and plan[0][3] <= INLINE_BYTES
 
@@ -250,7 +250,7 @@ class SourceBatch(ReadRequest):
         # none under MIN_READ_BYTES: each read wakes a thread that takes the GIL, which a launch-bound
         # training step (the consumer) waits for; small batches are read by one thread. A read into a
         # staging buffer also fits one worker's share of it (``fill_bytes``).
-        per_thread = -(-(r1 - r0) // self.chain.threads)
+        per_thread = -(-len(self.rows) // self.chain.threads)
         per = max(per_thread, MIN_READ_BYTES // row_bytes)
         if fill_bytes is not None:
             per = min(fill_bytes // row_bytes, per)

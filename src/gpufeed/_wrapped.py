@@ -135,7 +135,7 @@ def _source_batches(loader: Any, epoch: int, start: int, spare_core: bool) -> It
     try:
         for request in it:
             yield WithState(request, loader.state_at(epoch, request.index + 1))
-    finally:  # the epoch's reads end now, on this (the fetch) thread
+    finally:  # the epoch's reads end now, on the thread that reads the epoch
         it.close()
 
 
@@ -144,7 +144,7 @@ def _with_state(loader: Any) -> Iterator[WithState]:
     try:
         for batch in it:
             yield WithState(batch, loader.state_dict())
-    finally:  # the loader's iterator (a generator's cleanup) ends now, on this (the fetch) thread
+    finally:  # the loader's iterator (a generator's cleanup) ends now, on the thread that pulls from it
         close = getattr(it, "close", None)
         if close is not None:
             close()

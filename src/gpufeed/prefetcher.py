@@ -58,7 +58,8 @@ class CudaPrefetcher:
     Args:
         source: the loader: any iterable, a zero-argument callable returning one, or a SourceLoader.
         device: target device; ``None`` means the current CUDA device when CUDA is available, else CPU.
-        depth: batches prefetched ahead of the one the loop holds (>= 1; 1 is double buffering).
+        depth: batches prefetched ahead of the one the loop holds (>= 1; 1 is double buffering); a CPU
+            prefetcher with no core to spare reads each batch when asked, without prefetching.
         transform: optional function applied to each batch on the device, on the copy stream (ship
             ``uint8`` and convert on the GPU: a quarter of the bytes of ``float32``).
         pinned_budget: bytes of pinned memory a SourceLoader's reads may hold (0 disables pinned staging
@@ -248,22 +249,22 @@ class _EpochIterator:
 
     def __init__(self, pf: CudaPrefetcher, batches: Iterable[Any], inline: bool) -> None:
         self._pf = pf  # keeps the prefetcher (stream, pool) alive while an epoch runs
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._slots = _worker.Slots(pf.depth)
         self._stop = threading.Event()
         self._done = False
         self._reason = ""
         self._last_t: float | None = None
         self._consumer_stream = torch.cuda.current_stream(pf.device) if pf._cuda else None
         self._thread: threading.Thread | None = None
-        if not inline:
-            args = (batches, pf._copier(), self._queue, self._slots, self._stop, self._consumer_stream)
-            self._thread = threading.Thread(target=_produce, args=args, name="gpufeed-fetch", daemon=True)
-            self._thread.start()
-            self._finalizer = weakref.finalize(self, _stop_thread, self._stop, self._thread, self._queue)
-        else:  # no core to spare: the loop's thread reads each batch when it asks for it
-            self._inline = _deliveries(batches, pf._copier(), self._stop, None, _no_wait)
-            self._finalizer = weakref.finalize(self, _close_inline, self._stop, self._inline)
+        if inline:  # no core to spare: the loop's thread reads each batch when it asks for it
+            self._deliveries = _deliveries(batches, pf._copier(), self._stop, None, _no_wait)
+            self._finalizer = weakref.finalize(self, _close_inline, self._stop, self._deliveries)
+            return
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._slots = _worker.Slots(pf.depth)
+        args = (batches, pf._copier(), self._queue, self._slots, self._stop, self._consumer_stream)
+        self._thread = threading.Thread(target=_produce, args=args, name="gpufeed-fetch", daemon=True)
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, _stop_thread, self._stop, self._thread, self._queue)
 
     def __iter__(self) -> _EpochIterator:
         return self
@@ -309,9 +310,14 @@ class _EpochIterator:
 
     def _read_inline(self) -> Any:
         try:
-            return next(self._inline, _worker.END)
+            item = next(self._deliveries, _worker.END)
         except BaseException as exc:  # re-raised by __next__ once the epoch is closed, as a thread's error
-            return _worker.Failure(exc)
+            item = _worker.Failure(exc)
+        if self._stop.is_set():  # closed from another thread during this read: the epoch ends here
+            self._done = True
+            _close_inline(self._stop, self._deliveries)
+            raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
+        return item
 
     def _get(self) -> Any:
         q, thread = self._queue, self._thread
@@ -331,7 +337,7 @@ class _EpochIterator:
         self._finish()
 
     def close(self) -> None:
-        """Stop this epoch's background thread now."""
+        """End this epoch now: its background thread stops (or, inline, its loader's iterator closes)."""
         self._shutdown("closed")
 
 
@@ -388,7 +394,8 @@ def _no_wait(stop: threading.Event) -> None:
 def _cpu_core_to_spare() -> bool:
     """Whether a CPU prefetcher reads ahead on a background thread: only where a core is left beside
     torch's intra-op threads (``torch.get_num_threads()``). Otherwise the loop's compute already runs on
-    every core, and reads beside it slow that compute more than they hide."""
+    every core, and reads beside it slow that compute more than they hide. The cores are the CPUs this
+    process may run on (its affinity, hyperthreads included; a container's CPU quota is not seen)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -400,8 +407,9 @@ def _close_inline(stop: threading.Event, deliveries: Iterator[Delivered]) -> Non
     stop.set()
     try:
         deliveries.close()  # type: ignore[attr-defined]  # its finally closes the loader's iterator
-    except ValueError:  # closed from another thread while the loop's thread reads: it stops at ``stop``
-        pass
+    except ValueError as exc:  # the loop's thread is reading: it closes the epoch after, seeing ``stop``
+        if "already executing" not in str(exc):
+            raise
 
 
 def _stop_thread(stop: threading.Event, thread: threading.Thread, q: queue.SimpleQueue) -> None:

@@ -4,7 +4,8 @@ package was built with it, else a Python loop of ``os.preadv``. Both raise the s
 Why: a shuffled batch is thousands of short runs, and each ``os.preadv`` from Python drops and retakes the
 GIL, so the reader threads take turns at it (about 130k reads/s in all on an H100 host). A ctypes call
 releases the GIL once for all the reads of a piece (docs/design.md, "Shuffled rows"), and on Linux it first
-starts the kernel's reads of every row the page cache lacks, so a cold batch's reads are all in flight.
+starts the kernel's reads of every read of a page or more that the page cache lacks, so a cold batch's
+reads are all in flight.
 
 The library is built by ``hatch_build.py`` when the package is built, never at run time; set
 ``GPUFEED_NATIVE_PREAD=0`` to use the Python loop anyway.
@@ -58,10 +59,11 @@ def pread_many(
     """Read ``sizes[i]`` bytes at ``offsets[i]`` of file ``files[i]`` (or of file ``files``) into byte
     ``dst[i]`` of the ``nbytes`` of host memory at ``addr``, for every ``i``, in order.
 
-    With ``ahead`` (the native reader on Linux), the rows the page cache holds are copied first without
-    blocking and the kernel is asked to read all the others at once (``posix_fadvise(WILLNEED)``), so a
-    cold batch keeps the disk's queue full instead of one read in flight per thread; ``ahead=False`` is
-    one blocking ``pread`` per read (a plain random-read baseline).
+    With ``ahead`` (the native reader on Linux), the reads of a page or more that the page cache holds are
+    copied first without blocking and the kernel is asked to read all the others at once
+    (``posix_fadvise(WILLNEED)``), so a cold batch keeps the disk's queue full instead of one read in
+    flight per thread; ``ahead=False`` is one blocking ``pread`` per read (a plain random-read baseline).
+    The Python loop reads without it.
 
     Raises:
         OSError: a read failed, or the file ended early; the message names the file.

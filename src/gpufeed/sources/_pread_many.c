@@ -50,8 +50,8 @@ static void read_cached_and_advise(const int32_t *fds, const int64_t *offsets, c
             continue;
         struct iovec iov = {base + dst[i], (size_t)sizes[i]};
         ssize_t got = preadv2(fds[i], &iov, 1, (off_t)offsets[i], RWF_NOWAIT);
-        if (got < 0 && (errno == EOPNOTSUPP || errno == ENOSYS || errno == EINVAL))
-            return; /* no non-blocking buffered reads here: the second pass reads everything */
+        if (got < 0 && (errno == EOPNOTSUPP || errno == ENOSYS || errno == EINVAL || errno == EPERM))
+            return; /* no non-blocking buffered reads here (or a seccomp filter refuses preadv2) */
         if (got > 0)
             done[i] = got;
         if (got != 0 && done[i] < sizes[i]) /* 0: the file ended, nothing to read ahead */
