@@ -614,8 +614,11 @@ def test_bench_trace_keeps_one_trace_per_run_and_points_at_the_reported_one(tmp_
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["bench.json"] + [f"trace-gpufeed_h5-run{r}.json" for r in (1, 2, 3)]
     m = json.loads((tmp_path / "bench.json").read_text())["methods"][0]
-    reported = sorted(range(3), key=lambda r: m["extra"]["runs_GBps"][r])[1] + 1  # the median run
-    assert m["extra"]["trace"] == str(tmp_path / f"trace-gpufeed_h5-run{reported}.json")
+    trace = Path(m["extra"]["trace"])
+    assert trace.parent == tmp_path and trace.name in names
+    runs = m["extra"]["runs_GBps"]
+    run = int(trace.stem.rsplit("run", 1)[1])
+    assert runs[run - 1] == sorted(runs)[1] == round(m["GBps"], 3)  # the trace of the median run
 
 
 def test_gpufeed_debug_shows_the_traceback(tmp_path, monkeypatch, capsys):
