@@ -155,7 +155,7 @@ class SourceBatch(ReadRequest):
             jobs = self._bind(buf, offsets, r0, pieces)  # every view made before any read starts
             if copier.trace is not None:
                 jobs = [_traced(copier.trace, j) for j in jobs]
-            run = run_now if self._inline() else executor.submit  # one small read: here, no handoff
+            run = run_now if self._one_small_read() else executor.submit  # one small read: here, no handoff
             self._entries.append((self._plan[self._next], buf, [run(j) for j in jobs]))
             self._next += 1
         return True
@@ -192,7 +192,7 @@ class SourceBatch(ReadRequest):
     def _read_staged(self, copier: Copier, out: dict[str, torch.Tensor], stop: threading.Event) -> None:
         started = self.start(copier, stop, block=True)
         succ = self.chain.get(self.index + 1)
-        if started and succ is not None and not self._inline():  # (an inline batch is read already)
+        if started and succ is not None and not self._one_small_read():  # (a small one is read already)
             succ.start(copier, stop)  # the successor's reads run while this batch finishes
         fields = self.source.fields
         while self._entries or self._next < len(self._plan or ()):
@@ -237,7 +237,7 @@ class SourceBatch(ReadRequest):
 
     # -- planning ----------------------------------------------------------------------------------
 
-    def _inline(self) -> bool:
+    def _one_small_read(self) -> bool:
         """A staged batch read on the background thread itself: one small read (see ``INLINE_BYTES``)."""
         plan = self._plan or ()
         return len(plan) == 1 and len(plan[0][4]) == 1 and plan[0][3] <= INLINE_BYTES
