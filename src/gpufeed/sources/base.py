@@ -31,7 +31,7 @@ class Field:
         n = 1
         for d in self.shape:
             n *= int(d)
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * self.dtype.itemsize
 
 
 @runtime_checkable
