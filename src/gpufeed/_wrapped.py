@@ -93,7 +93,7 @@ class WrappedLoader:
     def load_state_dict(self, state: dict[str, Any]) -> tuple[int, int]:
         """``(epoch, batch)`` to resume at. A SourceLoader is left untouched (the position is the
         prefetcher's until it hands out a batch); any other loader loads the state now."""
-        _check_state(state, "loader")
+        _check_state(state)
         if not self.stateful:
             self.state_dict(None, 0)  # raises the TypeError that says why
         if self.source_loader is not None:
@@ -117,9 +117,6 @@ class WrappedLoader:
         if self.stateful:
             return _with_state(self.source)
         return self.source
-
-    def close(self) -> None:
-        pass
 
 
 class _Lazy:
@@ -150,14 +147,17 @@ def _with_state(loader: Any) -> Iterator[WithState]:
             close()
 
 
+#: The version of the prefetcher's own state_dict (the wrapped loader's state sits inside it).
 STATE_VERSION = 1
-def _check_state(state: Any, mode: str) -> None:
+
+
+def _check_state(state: Any) -> None:
     if not isinstance(state, dict) or "gpufeed" not in state:
         raise ValueError(f"not a gpufeed state_dict: expected a dict from CudaPrefetcher.state_dict(), got "
                          f"{type(state).__name__}")
     if state["gpufeed"] != STATE_VERSION:
         raise ValueError(f"gpufeed state version {state['gpufeed']} is not supported "
                          f"(this gpufeed reads version {STATE_VERSION})")
-    if state.get("mode") != mode:
+    if state.get("mode") != "loader":
         raise ValueError(f"this state was saved by a gpufeed whose prefetcher read a BatchSource itself "
                          f"(mode {state.get('mode')!r}); save it again with a SourceLoader")

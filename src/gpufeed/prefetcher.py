@@ -216,7 +216,6 @@ class CudaPrefetcher:
             it._shutdown("the CudaPrefetcher was closed")
         self._pool.clear()
         self._host.clear()
-        self._loader.close()
 
     def __enter__(self) -> CudaPrefetcher:
         return self
@@ -256,7 +255,7 @@ class _EpochIterator:
         self._consumer_stream = torch.cuda.current_stream(pf.device) if pf._cuda else None
         self._thread: threading.Thread | None = None
         if inline:  # no core to spare: the loop's thread reads each batch when it asks for it
-            self._deliveries = _deliveries(batches, pf._copier(), self._stop, None, _no_wait)
+            self._deliveries = _deliveries(batches, pf._copier(), self._stop, None, None)
             self._finalizer = weakref.finalize(self, _close_inline, self._stop, self._deliveries)
             return
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -348,7 +347,7 @@ def _produce(batches: Iterable[Any], copier: Copier, q: queue.SimpleQueue, slots
         if copier.device.type == "cuda":
             torch.cuda.set_device(copier.device)
             torch.cuda.set_stream(copier.stream)  # this thread's current stream: every copy goes there
-        for item in _deliveries(batches, copier, stop, consumer_stream, slots.acquire):
+        for item in _deliveries(batches, copier, stop, consumer_stream, slots):
             q.put(item)
         q.put(_worker.END)
     except _worker.Stopped:
@@ -359,15 +358,16 @@ def _produce(batches: Iterable[Any], copier: Copier, q: queue.SimpleQueue, slots
 
 def _deliveries(batches: Iterable[Any], copier: Copier, stop: threading.Event,
                 consumer_stream: torch.cuda.Stream | None,
-                wait_slot: Callable[[threading.Event], None]) -> Iterator[Delivered]:
-    """Pull each batch from ``batches`` and deliver it (staged and copied, or read); ``wait_slot`` runs
-    before each pull (the background thread waits there for a free place in the queue)."""
+                slots: _worker.Slots | None) -> Iterator[Delivered]:
+    """Pull each batch from ``batches`` and deliver it (staged and copied, or read). A background thread
+    first takes one of the queue's ``slots``; an inline epoch has none (the loop takes each batch as read)."""
     it = None
     try:
         it = iter(batches)
         for index in itertools.count():
             _worker.check(stop)
-            wait_slot(stop)
+            if slots is not None:
+                slots.acquire(stop)
             t0 = time.perf_counter()
             with _nvtx.range("gpufeed.fetch"):
                 raw = next(it, _worker.END)
@@ -385,10 +385,6 @@ def _deliveries(batches: Iterable[Any], copier: Copier, stop: threading.Event,
             del it  # a DataLoader iterator shuts its workers down here
         finally:
             copier.finish()
-
-
-def _no_wait(stop: threading.Event) -> None:
-    """An inline epoch has no queue to wait for: the loop takes each batch as it is read."""
 
 
 def _cpu_core_to_spare() -> bool:

@@ -40,10 +40,10 @@ static int read_rest(int fd, char *to, int64_t size, int64_t offset, int64_t don
  * Reads shorter than a page are left to the second pass: a blocking read of a missing page also reads the
  * kernel's window around it, which serves the small reads near it, where an advice reads just the page.
  * Errors are left to the second pass, which meets them again in order. */
+#ifdef RWF_NOWAIT
 static void read_cached_and_advise(const int32_t *fds, const int64_t *offsets, const int64_t *sizes,
                                    char *base, const int64_t *dst, int64_t n, int64_t *done)
 {
-#ifdef RWF_NOWAIT
     const int64_t page = sysconf(_SC_PAGESIZE);
     for (int64_t i = 0; i < n; i++) {
         if (sizes[i] < page)
@@ -58,10 +58,8 @@ static void read_cached_and_advise(const int32_t *fds, const int64_t *offsets, c
             posix_fadvise(fds[i], (off_t)(offsets[i] + done[i]), (off_t)(sizes[i] - done[i]),
                           POSIX_FADV_WILLNEED);
     }
-#else
-    (void)fds, (void)offsets, (void)sizes, (void)base, (void)dst, (void)n, (void)done;
-#endif
 }
+#endif
 
 /* Read sizes[i] bytes at offsets[i] of fds[i] into base + dst[i], for i in 0..n-1.
  *
@@ -73,9 +71,13 @@ static void read_cached_and_advise(const int32_t *fds, const int64_t *offsets, c
 int64_t gpufeed_pread_many(const int32_t *fds, const int64_t *offsets, const int64_t *sizes, char *base,
                            const int64_t *dst, int64_t n, int64_t *status, int64_t ahead)
 {
-    int64_t *done = ahead ? calloc((size_t)n, sizeof(int64_t)) : NULL;
-    if (done != NULL)
+    int64_t *done = NULL;
+#ifdef RWF_NOWAIT
+    if (ahead && (done = calloc((size_t)n, sizeof(int64_t))) != NULL)
         read_cached_and_advise(fds, offsets, sizes, base, dst, n, done);
+#else
+    (void)ahead; /* no non-blocking buffered reads in these headers: one blocking pass */
+#endif
     int64_t bad = -1;
     for (int64_t i = 0; i < n && bad < 0; i++)
         if (read_rest(fds[i], base + dst[i], sizes[i], offsets[i], done ? done[i] : 0, status) < 0)
