@@ -43,9 +43,12 @@ def no_leaked_threads():
 
 
 @pytest.fixture(autouse=True)
-def cpu_reads_ahead(monkeypatch):
-    """The suite runs the CPU path with its background thread (the pipeline the CUDA path uses), also on
-    a CI machine whose cores torch's threads already take; ``test_cpu_inline.py`` tests the other case."""
+def reads_move_to_a_thread(monkeypatch):
+    """The suite runs every epoch of three batches or more through both ways of fetching: its first
+    batches on the loop's thread, the rest on the background thread (as though a thread always paid),
+    also on a CI machine whose cores torch's threads already take. ``test_cpu_inline.py`` and
+    ``test_fetch_thread.py`` test the choice itself."""
     import gpufeed.prefetcher
 
     monkeypatch.setattr(gpufeed.prefetcher, "_cpu_core_to_spare", lambda: True)
+    monkeypatch.setattr(gpufeed.prefetcher, "THREAD_COST_S", -1.0)

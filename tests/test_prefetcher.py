@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from conftest import gpufeed_threads, wait_no_threads
 from gpufeed import CudaPrefetcher, PrefetchStats, RawSource
+from gpufeed.prefetcher import PROBE_BATCHES
 
 Pair = namedtuple("Pair", "a b")
 
@@ -132,10 +133,10 @@ def test_depth_bounds_batches_ahead_of_the_consumer():
         pulled.clear()
         with CudaPrefetcher(loader, device="cpu", depth=depth) as pf:
             it = iter(pf)
-            first = next(it)
+            taken = [next(it).item() for _ in range(PROBE_BATCHES + 1)]  # the thread starts at the last
             time.sleep(0.2)  # let the thread run as far ahead as it may
-            assert first.item() == 0
-            assert len(pulled) == 1 + depth, (depth, pulled)
+            assert taken == list(range(PROBE_BATCHES + 1))
+            assert len(pulled) == PROBE_BATCHES + 1 + depth, (depth, pulled)
 
 
 def test_consumer_wait_is_counted():
@@ -252,7 +253,8 @@ def endless():
 def test_close_stops_the_thread():
     pf = CudaPrefetcher(endless, device="cpu")
     it = iter(pf)
-    next(it)
+    for _ in range(PROBE_BATCHES + 1):
+        next(it)
     assert gpufeed_threads()
     pf.close()
     assert wait_no_threads() < 5

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import itertools
 import os
 import queue
@@ -27,6 +28,10 @@ from gpufeed.stats import PrefetchStats
 
 _LIVE: weakref.WeakSet[CudaPrefetcher] = weakref.WeakSet()
 _JOIN_S = 5.0
+#: A CUDA epoch's batches measured inline before it decides whether to fetch on a background thread.
+PROBE_BATCHES = 2
+#: What a background thread costs the loop per batch: its handoffs of the GIL and the queue.
+THREAD_COST_S = 200e-6
 
 
 class CudaPrefetcher:
@@ -165,8 +170,9 @@ class CudaPrefetcher:
                 self.epoch = self._loader.next_epoch(self.epoch, self._started, self._epoch_set)
             self._started = self._epoch_set = False
             self._state = self._loader.initial_state(self.epoch, start)
-            inline = not self._cuda and not _cpu_core_to_spare()
-            it = _EpochIterator(self, self._loader.batches(self.epoch, start, spare_core=not inline), inline)
+            may_thread = self._cuda or _cpu_core_to_spare()
+            batches = self._loader.batches(self.epoch, start, spare_core=may_thread)
+            it = _EpochIterator(self, batches, may_thread)
             self._current = weakref.ref(it)
         return it
 
@@ -239,31 +245,37 @@ class CudaPrefetcher:
 
 
 class _EpochIterator:
-    """One epoch: a background thread producing :class:`Delivered` batches into a queue (or, on a CPU
-    with no core to spare, the same deliveries made on the loop's thread in ``__next__``).
+    """One epoch's deliveries: made on the loop's thread in ``__next__`` (inline), then, where it pays,
+    by a background thread into a queue.
+
+    An epoch starts inline; a CUDA one keeps ``depth`` batches copied ahead of the one it returns (the
+    copy of each runs on the copy stream while the loop computes). Once its first batches show that
+    the loop leaves time to hide the fetching in (:func:`_thread_pays`), the rest of the epoch is
+    fetched by a background thread, ``depth`` batches ahead. A CPU epoch moves only where a core is
+    left beside torch's intra-op threads (:func:`_cpu_core_to_spare`).
 
     The thread holds no reference to this object or to the prefetcher, so ``break``, ``del`` and
     garbage collection of the iterator stop it (a finalizer sets the stop flag and joins).
     """
 
-    def __init__(self, pf: CudaPrefetcher, batches: Iterable[Any], inline: bool) -> None:
+    def __init__(self, pf: CudaPrefetcher, batches: Iterable[Any], may_thread: bool) -> None:
         self._pf = pf  # keeps the prefetcher (stream, pool) alive while an epoch runs
         self._stop = threading.Event()
         self._done = False
         self._reason = ""
         self._last_t: float | None = None
         self._consumer_stream = torch.cuda.current_stream(pf.device) if pf._cuda else None
+        self._copy_stream = pf._stream
         self._thread: threading.Thread | None = None
-        if inline:  # no core to spare: the loop's thread reads each batch when it asks for it
-            self._deliveries = _deliveries(batches, pf._copier(), self._stop, None, None)
-            self._finalizer = weakref.finalize(self, _close_inline, self._stop, self._deliveries)
-            return
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._slots = _worker.Slots(pf.depth)
-        args = (batches, pf._copier(), self._queue, self._slots, self._stop, self._consumer_stream)
-        self._thread = threading.Thread(target=_produce, args=args, name="gpufeed-fetch", daemon=True)
-        self._thread.start()
-        self._finalizer = weakref.finalize(self, _stop_thread, self._stop, self._thread, self._queue)
+        self._deliveries = _deliveries(batches, pf._copier(), self._stop, self._consumer_stream)
+        # Inline: the deliveries made ahead of the one returned (Delivered, then END or a Failure last).
+        self._ahead: collections.deque[Any] = collections.deque()
+        self._keep_ahead = pf.depth if pf._cuda else 0
+        # While a CUDA epoch decides whether a thread pays: the loop's time between two batches, and the
+        # time fetching a batch took; ``None`` once decided (or for a CPU epoch).
+        self._gaps: list[float] = []
+        self._fetches: list[float] | None = [] if may_thread else None
+        self._finalizer = weakref.finalize(self, _close_inline, self._stop, self._deliveries)
 
     def __iter__(self) -> _EpochIterator:
         return self
@@ -274,11 +286,13 @@ class _EpochIterator:
                 raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
             raise StopIteration
         t0 = time.perf_counter()
+        if self._thread is None and self._last_t is not None and self._fetches is not None:
+            self._decide(t0 - self._last_t)
         if self._thread is None:
             item = self._read_inline()
         else:
             try:
-                item = self._get()
+                item = self._ahead.popleft() if self._ahead else self._get()
             except BaseException:  # Ctrl-C while waiting: stop the thread now, not at garbage collection
                 self._shutdown("")
                 raise
@@ -307,16 +321,53 @@ class _EpochIterator:
             item.reraise()
         raise StopIteration
 
+    def _decide(self, gap: float) -> None:
+        """Note the loop's time since the last batch; after :data:`PROBE_BATCHES` batches, move the
+        fetching to a background thread if it pays, or stay inline for the rest of the epoch."""
+        self._gaps.append(gap)
+        if len(self._gaps) < PROBE_BATCHES:
+            return
+        if _thread_pays(self._gaps, self._fetches) and not self._ended():
+            self._finalizer.detach()
+            self._start_thread()
+        self._fetches = None  # decided: measure no more
+
+    def _ended(self) -> bool:
+        return bool(self._ahead) and not isinstance(self._ahead[-1], Delivered)
+
+    def _start_thread(self) -> None:
+        """Hand the rest of the epoch's deliveries to a background thread; those made ahead inline stay
+        first in line, and count against the ``depth`` batches the thread may make ahead."""
+        pf = self._pf
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._slots = _worker.Slots(pf.depth - len(self._ahead))
+        args = (self._deliveries, self._copy_stream, self._queue, self._slots, self._stop)
+        self._thread = threading.Thread(target=_produce, args=args, name="gpufeed-fetch", daemon=True)
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, _stop_thread, self._stop, self._thread, self._queue)
+
     def _read_inline(self) -> Any:
+        """The next delivery, after making ``depth`` more ahead of it (CUDA) or none (CPU)."""
+        t0 = time.perf_counter()
+        while len(self._ahead) <= self._keep_ahead and not self._ended():
+            self._ahead.append(self._pull())
+            if self._stop.is_set():  # closed from another thread during this read: the epoch ends here
+                self._done = True
+                self._ahead.clear()
+                _close_inline(self._stop, self._deliveries)
+                raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
+        if self._fetches is not None and self._last_t is not None:
+            self._fetches.append(time.perf_counter() - t0)
+        return self._ahead.popleft()
+
+    def _pull(self) -> Any:
         try:
-            item = next(self._deliveries, _worker.END)
-        except BaseException as exc:  # re-raised by __next__ once the epoch is closed, as a thread's error
-            item = _worker.Failure(exc)
-        if self._stop.is_set():  # closed from another thread during this read: the epoch ends here
-            self._done = True
-            _close_inline(self._stop, self._deliveries)
-            raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
-        return item
+            if self._copy_stream is None:
+                return next(self._deliveries, _worker.END)
+            with torch.cuda.stream(self._copy_stream):  # the copies (and the transform) go there
+                return next(self._deliveries, _worker.END)
+        except BaseException as exc:  # re-raised by __next__ in its turn, as a thread's error would be
+            return _worker.Failure(exc)
 
     def _get(self) -> Any:
         q, thread = self._queue, self._thread
@@ -340,34 +391,34 @@ class _EpochIterator:
         self._shutdown("closed")
 
 
-def _produce(batches: Iterable[Any], copier: Copier, q: queue.SimpleQueue, slots: _worker.Slots,
-             stop: threading.Event, consumer_stream: torch.cuda.Stream | None) -> None:
-    """The background thread: pull, stage and copy each batch, then put it on the queue."""
+def _produce(deliveries: Iterator[Any], stream: torch.cuda.Stream | None, q: queue.SimpleQueue,
+             slots: _worker.Slots, stop: threading.Event) -> None:
+    """The background thread: make each delivery once a slot is free, and put it on the queue."""
     try:
-        if copier.device.type == "cuda":
-            torch.cuda.set_device(copier.device)
-            torch.cuda.set_stream(copier.stream)  # this thread's current stream: every copy goes there
-        for item in _deliveries(batches, copier, stop, consumer_stream, slots):
+        if stream is not None:
+            torch.cuda.set_stream(stream)  # this thread's current stream (and device): every copy goes there
+        while True:
+            slots.acquire(stop)
+            item = next(deliveries, _worker.END)
             q.put(item)
-        q.put(_worker.END)
+            if item is _worker.END:
+                return
     except _worker.Stopped:
         pass
     except BaseException as exc:  # forwarded with its traceback; re-raised in the consumer
         q.put(_worker.Failure(exc))
+    finally:
+        deliveries.close()  # type: ignore[attr-defined]  # its finally closes the loader's iterator
 
 
 def _deliveries(batches: Iterable[Any], copier: Copier, stop: threading.Event,
-                consumer_stream: torch.cuda.Stream | None,
-                slots: _worker.Slots | None) -> Iterator[Delivered]:
-    """Pull each batch from ``batches`` and deliver it (staged and copied, or read). A background thread
-    first takes one of the queue's ``slots``; an inline epoch has none (the loop takes each batch as read)."""
+                consumer_stream: torch.cuda.Stream | None) -> Iterator[Delivered]:
+    """Pull each batch from ``batches`` and deliver it (staged and copied, or read)."""
     it = None
     try:
         it = iter(batches)
         for index in itertools.count():
             _worker.check(stop)
-            if slots is not None:
-                slots.acquire(stop)
             t0 = time.perf_counter()
             with _nvtx.range("gpufeed.fetch"):
                 raw = next(it, _worker.END)
@@ -385,6 +436,15 @@ def _deliveries(batches: Iterable[Any], copier: Copier, stop: threading.Event,
             del it  # a DataLoader iterator shuts its workers down here
         finally:
             copier.finish()
+
+
+def _thread_pays(gaps: list[float], fetches: list[float]) -> bool:
+    """Whether a background thread would make an epoch faster: the loop leaves time between batches
+    (``gaps``: its step, a sync included) and fetching a batch takes time (``fetches``: the loader,
+    staging, issuing copies), and the smaller of the two, what a thread could hide, is more than the
+    thread costs (:data:`THREAD_COST_S`). A loop that never waits for the GPU leaves no time, and a
+    batch of pinned tensors takes none to fetch: both are faster inline, without the handoffs."""
+    return min(min(gaps), min(fetches)) > THREAD_COST_S
 
 
 def _cpu_core_to_spare() -> bool:

@@ -1,0 +1,129 @@
+"""An epoch fetches on the loop's thread, and moves to a background thread only when that pays."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import gpufeed.prefetcher
+from conftest import gpufeed_threads, wait_no_threads
+from gpufeed import CudaPrefetcher
+from gpufeed.prefetcher import PROBE_BATCHES, _thread_pays
+
+COST = 200e-6
+
+
+@pytest.fixture
+def real_cost(monkeypatch):
+    """The real rule instead of the suite's (a thread always pays)."""
+    monkeypatch.setattr(gpufeed.prefetcher, "THREAD_COST_S", COST)
+
+
+class Loader:
+    """Batches ``[i] * 3``, each taking ``fetch_s`` to make; records the thread that made each."""
+
+    def __init__(self, n, fetch_s=0.0, fail_at=None):
+        self.n, self.fetch_s, self.fail_at = n, fetch_s, fail_at
+        self.threads = []
+
+    def __iter__(self):
+        for i in range(self.n):
+            if self.fetch_s:
+                time.sleep(self.fetch_s)
+            if i == self.fail_at:
+                raise KeyError(f"bad sample in batch {i}")
+            self.threads.append(_on_gpufeed_thread())
+            yield {"x": torch.full((3,), i)}
+
+
+def _on_gpufeed_thread():
+    return threading.current_thread().name.startswith("gpufeed")
+
+
+@pytest.mark.parametrize(("gaps", "fetches", "pays"), [
+    ([1e-3, 2e-3], [1e-3], True),  # both leave time: hidden 1 ms a batch
+    ([1e-3, 1e-5], [1e-3], False),  # one step left no time
+    ([5e-3, 5e-3], [5e-5], False),  # fetching takes no time (pinned batches)
+    ([1e-5, 1e-5], [5e-3], False),  # the loop never waits (no compute, or the GPU is ahead)
+])
+def test_a_thread_pays_only_where_it_hides_more_than_it_costs(real_cost, gaps, fetches, pays):
+    assert _thread_pays(gaps, fetches) is pays
+
+
+def test_a_fast_loop_fetches_every_batch_on_its_own_thread(real_cost):
+    loader = Loader(12)
+    got = [b["x"].tolist() for b in CudaPrefetcher(loader, device="cpu")]
+    assert got == [[i] * 3 for i in range(12)]
+    assert not any(loader.threads)
+
+
+def test_a_loop_that_leaves_time_moves_the_fetching_to_a_thread(real_cost):
+    loader = Loader(8, fetch_s=0.004)
+    got = []
+    for b in CudaPrefetcher(loader, device="cpu", depth=2):
+        got.append(b["x"].tolist())
+        time.sleep(0.004)  # a step
+    assert got == [[i] * 3 for i in range(8)]
+    # the probe's batches on the loop's thread, the rest on the background thread
+    assert loader.threads == [False] * PROBE_BATCHES + [True] * (8 - PROBE_BATCHES)
+    assert wait_no_threads() < 5
+
+
+def test_each_epoch_decides_again(real_cost):
+    loader = Loader(6, fetch_s=0.004)
+    pf = CudaPrefetcher(loader, device="cpu")
+    for _ in pf:
+        time.sleep(0.004)
+    assert loader.threads[-1]
+    loader.threads.clear()
+    loader.fetch_s = 0.0
+    assert [b["x"][0].item() for b in pf] == list(range(6))  # no time to hide now
+    assert not any(loader.threads)
+    pf.close()
+
+
+@pytest.mark.parametrize("fail_at", [1, PROBE_BATCHES, PROBE_BATCHES + 2])
+def test_an_error_arrives_at_its_batch_before_and_after_the_move(real_cost, fail_at):
+    loader = Loader(8, fetch_s=0.003, fail_at=fail_at)
+    got = []
+    with pytest.raises(KeyError, match=f"batch {fail_at}"):
+        for b in CudaPrefetcher(loader, device="cpu"):
+            got.append(b["x"][0].item())
+            time.sleep(0.003)
+    assert got == list(range(fail_at))
+    assert wait_no_threads() < 5
+
+
+def test_break_after_the_move_stops_the_thread(real_cost):
+    loader = Loader(1000, fetch_s=0.002)
+    pf = CudaPrefetcher(loader, device="cpu")
+    for i, _ in enumerate(pf):
+        time.sleep(0.002)
+        if i == PROBE_BATCHES + 2:
+            assert gpufeed_threads()
+            break
+    assert wait_no_threads() < 5
+    pf.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_cuda_inline_keeps_depth_batches_copied_ahead(monkeypatch, depth):
+    monkeypatch.setattr(gpufeed.prefetcher, "THREAD_COST_S", float("inf"))  # never moves
+    pulled = []
+
+    def loader():
+        for i in range(10):
+            pulled.append(i)
+            yield {"x": torch.full((1 << 16,), i, dtype=torch.int32)}
+
+    got = []
+    with CudaPrefetcher(loader, device="cuda", depth=depth) as pf:
+        for b in pf:
+            assert len(pulled) == min(10, len(got) + 1 + depth)
+            assert not gpufeed_threads()
+            got.append(b["x"])
+        torch.cuda.synchronize()
+    assert [int(t.float().mean().item()) for t in got] == list(range(10))
+    assert all(int(t.min()) == int(t.max()) for t in got)
