@@ -43,10 +43,10 @@ class Delivered:
     state: Any = None
     consumer: torch.cuda.Stream | None = None  # the stream ``fresh`` is recorded on
 
-    def handover(self) -> Any:
-        """Make the consumer's current stream wait on this batch's event only, then return the batch."""
+    def handover(self, stream: torch.cuda.Stream | None) -> Any:
+        """Make ``stream`` (the consumer's current stream) wait on this batch's event only, then return
+        the batch."""
         if self.event is not None:
-            stream = torch.cuda.current_stream(self.consumer.device)
             self.event.wait(stream)
             if stream != self.consumer:  # the consumer switched streams since the epoch started: fence there
                 for t in self.fresh:
@@ -160,7 +160,7 @@ class Copier:
         if not timed:
             return None
         start = torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(self.stream)  # the current stream: given, as looking it up costs a few microseconds
         return start
 
     def seal(self, batch: Any, fresh: list[torch.Tensor], start: torch.cuda.Event | None,
@@ -178,7 +178,7 @@ class Copier:
         if self.stream is None:
             return Delivered(batch, None, fresh)
         end = torch.cuda.Event(enable_timing=start is not None)
-        end.record()
+        end.record(self.stream)
         if start is not None or read:
             self._in_flight.append((start, end, read or [], timed))
         return Delivered(batch, end, fresh)

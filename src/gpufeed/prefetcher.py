@@ -31,7 +31,7 @@ _JOIN_S = 5.0
 #: A CUDA epoch's batches measured inline before it decides whether to fetch on a background thread.
 PROBE_BATCHES = 2
 #: What a background thread costs the loop per batch: its handoffs of the GIL and the queue.
-THREAD_COST_S = 200e-6
+THREAD_COST_S = 1e-3
 
 
 class CudaPrefetcher:
@@ -288,8 +288,9 @@ class _EpochIterator:
         t0 = time.perf_counter()
         if self._thread is None and self._last_t is not None and self._fetches is not None:
             self._decide(t0 - self._last_t)
+        consumer = torch.cuda.current_stream(self._pf.device) if self._pf._cuda else None
         if self._thread is None:
-            item = self._read_inline()
+            item = self._read_inline(consumer)
         else:
             try:
                 item = self._ahead.popleft() if self._ahead else self._get()
@@ -314,7 +315,7 @@ class _EpochIterator:
                 self._pf._loader.epoch_started(self._pf.epoch)
             stats.batches += 1
             self._pf._state = item.state
-            batch = item.handover()
+            batch = item.handover(consumer)
             return batch if self._pf._static is None else self._pf._static.fill(batch)
         self._finish()
         if isinstance(item, _worker.Failure):
@@ -346,26 +347,28 @@ class _EpochIterator:
         self._thread.start()
         self._finalizer = weakref.finalize(self, _stop_thread, self._stop, self._thread, self._queue)
 
-    def _read_inline(self) -> Any:
-        """The next delivery, after making ``depth`` more ahead of it (CUDA) or none (CPU)."""
+    def _read_inline(self, consumer: torch.cuda.Stream | None) -> Any:
+        """The next delivery, after making ``depth`` more ahead of it (CUDA) or none (CPU). Their copies
+        (and the transform) go to the copy stream, current meanwhile; ``consumer`` is current after."""
         t0 = time.perf_counter()
-        while len(self._ahead) <= self._keep_ahead and not self._ended():
-            self._ahead.append(self._pull())
-            if self._stop.is_set():  # closed from another thread during this read: the epoch ends here
-                self._done = True
-                self._ahead.clear()
-                _close_inline(self._stop, self._deliveries)
-                raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
+        device = _enter_stream(self._copy_stream)
+        try:
+            while len(self._ahead) <= self._keep_ahead and not self._ended():
+                self._ahead.append(self._pull())
+                if self._stop.is_set():  # closed from another thread during this read: the epoch ends here
+                    self._done = True
+                    self._ahead.clear()
+                    _close_inline(self._stop, self._deliveries)
+                    raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
+        finally:
+            _leave_stream(consumer, device)
         if self._fetches is not None and self._last_t is not None:
             self._fetches.append(time.perf_counter() - t0)
         return self._ahead.popleft()
 
     def _pull(self) -> Any:
         try:
-            if self._copy_stream is None:
-                return next(self._deliveries, _worker.END)
-            with torch.cuda.stream(self._copy_stream):  # the copies (and the transform) go there
-                return next(self._deliveries, _worker.END)
+            return next(self._deliveries, _worker.END)
         except BaseException as exc:  # re-raised by __next__ in its turn, as a thread's error would be
             return _worker.Failure(exc)
 
@@ -445,6 +448,25 @@ def _thread_pays(gaps: list[float], fetches: list[float]) -> bool:
     thread costs (:data:`THREAD_COST_S`). A loop that never waits for the GPU leaves no time, and a
     batch of pinned tensors takes none to fetch: both are faster inline, without the handoffs."""
     return min(min(gaps), min(fetches)) > THREAD_COST_S
+
+
+def _enter_stream(stream: torch.cuda.Stream | None) -> int | None:
+    """Make ``stream`` (and its device) current; returns the device that was current before.
+    ``torch.cuda.stream()`` does the same with lookups that cost more than a small batch's copy."""
+    if stream is None:
+        return None
+    device = torch.cuda.current_device()
+    torch.cuda.set_stream(stream)
+    return device
+
+
+def _leave_stream(stream: torch.cuda.Stream | None, device: int | None) -> None:
+    """Make ``stream`` current again, then ``device`` (what :func:`_enter_stream` returned)."""
+    if stream is None:
+        return
+    torch.cuda.set_stream(stream)
+    if device != stream.device_index:
+        torch.cuda.set_device(device)
 
 
 def _cpu_core_to_spare() -> bool:
