@@ -109,10 +109,10 @@ def test_gds_ctrl_c_during_next(gds):
     import _thread
 
     disk, make = gds
-    src = FaultySource(make(), block_row=3 * 16, block_s=0.6)
+    src = FaultySource(make(), block_row=8 * 16, block_s=1.0)
     with CudaPrefetcher(SourceLoader(src, batch_size=16), depth=2) as pf:
         it = iter(pf)
-        [next(it) for _ in range(3)]
+        [next(it) for _ in range(8)]  # the fetch thread reads ahead from the third: batch 8 is blocked
         timer = threading.Timer(0.15, _thread.interrupt_main)
         timer.start()
         try:
