@@ -53,18 +53,22 @@ def test_a_thread_pays_only_where_it_hides_more_than_it_costs(real_cost, gaps, f
 
 def test_a_fast_loop_fetches_every_batch_on_its_own_thread(real_cost):
     loader = Loader(12)
-    got = [b["x"].tolist() for b in CudaPrefetcher(loader, device="cpu")]
+    pf = CudaPrefetcher(loader, device="cpu")
+    got = [b["x"].tolist() for b in pf]
     assert got == [[i] * 3 for i in range(12)]
     assert not any(loader.threads)
+    assert pf.stats.threaded_batches == 0 and "0 fetched on the background thread" in pf.stats.summary()
 
 
 def test_a_loop_that_leaves_time_moves_the_fetching_to_a_thread(real_cost):
     loader = Loader(8, fetch_s=0.004)
     got = []
-    for b in CudaPrefetcher(loader, device="cpu", depth=2):
+    pf = CudaPrefetcher(loader, device="cpu", depth=2)
+    for b in pf:
         got.append(b["x"].tolist())
         time.sleep(0.004)  # a step
     assert got == [[i] * 3 for i in range(8)]
+    assert pf.stats.threaded_batches == 8 - PROBE_BATCHES
     # the probe's batches on the loop's thread, the rest on the background thread
     assert loader.threads == [False] * PROBE_BATCHES + [True] * (8 - PROBE_BATCHES)
     assert wait_no_threads() < 5

@@ -293,7 +293,7 @@ class _EpochIterator:
             item = self._read_inline(consumer)
         else:
             try:
-                item = self._ahead.popleft() if self._ahead else self._get()
+                item = self._ahead.popleft() if self._ahead else self._get_threaded()
             except BaseException:  # Ctrl-C while waiting: stop the thread now, not at garbage collection
                 self._shutdown("")
                 raise
@@ -371,6 +371,12 @@ class _EpochIterator:
             return next(self._deliveries, _worker.END)
         except BaseException as exc:  # re-raised by __next__ in its turn, as a thread's error would be
             return _worker.Failure(exc)
+
+    def _get_threaded(self) -> Any:
+        item = self._get()
+        if isinstance(item, Delivered):
+            self._pf.stats.threaded_batches += 1
+        return item
 
     def _get(self) -> Any:
         q, thread = self._queue, self._thread

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 class PrefetchStats:
     """Counters of one prefetcher, over its whole life (all epochs).
 
-    ``wait_s`` is the time the consumer's thread spent blocked in ``next()`` waiting for a batch, and
+    ``wait_s`` is the time the consumer's thread spent in ``next()`` waiting for a batch (or fetching it
+    itself: an epoch fetches on the loop's thread until a background thread pays, and
+    ``threaded_batches`` counts those the thread fetched), and
     ``wall_s`` the time from each epoch's first batch to its last; the wait for an epoch's first batch
     (the pipeline starting: threads, a DataLoader's workers) is ``startup_s``, counted in neither.
     ``stall_fraction`` is ``wait_s / wall_s``: near 0 means the GPU never waited for data, near 1 that
@@ -36,6 +38,7 @@ class PrefetchStats:
     copy_s: float = 0.0
     timed_bytes: int = 0
     staged_bytes: int = 0
+    threaded_batches: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -67,7 +70,7 @@ class PrefetchStats:
 
     def as_dict(self) -> dict[str, float]:
         keys = ("batches", "bytes", "wait_s", "wall_s", "startup_s", "fetch_s", "stage_s", "copy_s",
-                "timed_bytes", "staged_bytes")
+                "timed_bytes", "staged_bytes", "threaded_batches")
         d: dict[str, float] = {k: getattr(self, k) for k in keys}
         d.update(stall_fraction=self.stall_fraction, h2d_GBps=self.h2d_GBps,
                  stage_GBps=self.stage_GBps, throughput_GBps=self.throughput_GBps)
@@ -79,7 +82,8 @@ class PrefetchStats:
         return (
             f"[{verdict}] {self.batches} batches, {self.bytes / 1e9:.2f} GB, consumer waited for data "
             f"{self.stall_fraction:.1%} of {self.wall_s:.2f}s between first and last batches (start-up "
-            f"{self.startup_s:.2f}s not counted); fetch {self.fetch_s:.2f}s, "
+            f"{self.startup_s:.2f}s not counted); {self.threaded_batches} fetched on the background "
+            f"thread, the rest on the loop's; fetch {self.fetch_s:.2f}s, "
             f"stage {self.stage_s:.2f}s ({self.stage_GBps:.1f} GB/s), H2D {self.h2d_GBps:.1f} GB/s (timed "
             f"batches), {self.throughput_GBps:.1f} GB/s delivered"
         )

@@ -334,19 +334,20 @@ def _interrupted_next(it, after, how):
 @pytest.mark.parametrize("how", ["interrupt_main", "raise_signal"])
 def test_source_ctrl_c_during_next(disk, device, how):
     """SIGINT while the consumer waits in next(): KeyboardInterrupt, thread stops, next epoch works."""
-    src = FaultySource(disk.open(), block_row=3 * BS, block_s=0.3)  # the read of batch 3 takes 0.3 s
+    # The read of batch 5 takes 0.6 s; the fetch thread reads it (it takes over from the third batch).
+    src = FaultySource(disk.open(), block_row=5 * BS, block_s=0.6)
     with CudaPrefetcher(SourceLoader(src, batch_size=BS), device=device, depth=2) as pf:
         it = iter(pf)
-        got = [keep(next(it)) for _ in range(3)]
+        got = [keep(next(it)) for _ in range(5)]
         waited = _interrupted_next(it, 0.15, how)
         t = stopped()  # the epoch's fetch thread and its reader threads
-        check_epoch(got, disk.data, plan()[:3])
+        check_epoch(got, disk.data, plan()[:5])
         with pytest.raises(StopIteration):
             next(it)  # the interrupted iterator ends; it never hands out a stale batch
         src.block_row = None
         full_epoch(pf, disk, epoch=1)
     note(f"KeyboardInterrupt {waited:.2f} s after next() began (signal at 0.15 s, the read in flight "
-         f"ends at 0.3 s); thread gone {t:.2f} s later; next epoch complete")
+         f"ends by 0.6 s); thread gone {t:.2f} s later; next epoch complete")
 
 
 # -- loaders (iterable mode) -----------------------------------------------------------------------
