@@ -11,13 +11,13 @@ from conftest import gpufeed_threads, wait_no_threads
 from gpufeed import CudaPrefetcher
 from gpufeed.prefetcher import PROBE_BATCHES, _thread_pays
 
-COST = 200e-6
+REAL_COST = gpufeed.prefetcher.THREAD_COST_S  # read at import, before the suite patches it
 
 
 @pytest.fixture
 def real_cost(monkeypatch):
     """The real rule instead of the suite's (a thread always pays)."""
-    monkeypatch.setattr(gpufeed.prefetcher, "THREAD_COST_S", COST)
+    monkeypatch.setattr(gpufeed.prefetcher, "THREAD_COST_S", REAL_COST)
 
 
 class Loader:
@@ -42,13 +42,14 @@ def _on_gpufeed_thread():
 
 
 @pytest.mark.parametrize(("gaps", "fetches", "pays"), [
-    ([1e-3, 2e-3], [1e-3], True),  # both leave time: hidden 1 ms a batch
-    ([1e-3, 1e-5], [1e-3], False),  # one step left no time
+    ([2e-3, 3e-3], [2e-3], True),  # both leave time: 2 ms a batch hidden
+    ([2e-3, 1e-5], [2e-3], False),  # one step left no time
     ([5e-3, 5e-3], [5e-5], False),  # fetching takes no time (pinned batches)
     ([1e-5, 1e-5], [5e-3], False),  # the loop never waits (no compute, or the GPU is ahead)
 ])
 def test_a_thread_pays_only_where_it_hides_more_than_it_costs(real_cost, gaps, fetches, pays):
-    assert _thread_pays(gaps, fetches) is pays
+    assert _thread_pays(gaps, fetches, gpu_busy=False) is pays
+    assert not _thread_pays(gaps, fetches, gpu_busy=True)  # the GPU is the bottleneck: inline is free
 
 
 def test_a_fast_loop_fetches_every_batch_on_its_own_thread(real_cost):

@@ -30,7 +30,8 @@ _LIVE: weakref.WeakSet[CudaPrefetcher] = weakref.WeakSet()
 _JOIN_S = 5.0
 #: A CUDA epoch's batches measured inline before it decides whether to fetch on a background thread.
 PROBE_BATCHES = 2
-#: What a background thread costs the loop per batch: its handoffs of the GIL and the queue.
+#: What a background thread costs the loop per batch: the GIL and queue handoffs, and its slower staging
+#: (torch's parallel copy wakes a second OpenMP team); docs/design.md has the grid behind it.
 THREAD_COST_S = 1e-3
 
 
@@ -275,6 +276,7 @@ class _EpochIterator:
         # time fetching a batch took; ``None`` once decided (or for a CPU epoch).
         self._gaps: list[float] = []
         self._fetches: list[float] | None = [] if may_thread else None
+        self._gpu_busy = False  # the loop's GPU work was still running when it asked for a batch
         self._finalizer = weakref.finalize(self, _close_inline, self._stop, self._deliveries)
 
     def __iter__(self) -> _EpochIterator:
@@ -286,9 +288,9 @@ class _EpochIterator:
                 raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
             raise StopIteration
         t0 = time.perf_counter()
-        if self._thread is None and self._last_t is not None and self._fetches is not None:
-            self._decide(t0 - self._last_t)
         consumer = torch.cuda.current_stream(self._pf.device) if self._pf._cuda else None
+        if self._thread is None and self._last_t is not None and self._fetches is not None:
+            self._decide(t0 - self._last_t, consumer)
         if self._thread is None:
             item = self._read_inline(consumer)
         else:
@@ -322,13 +324,18 @@ class _EpochIterator:
             item.reraise()
         raise StopIteration
 
-    def _decide(self, gap: float) -> None:
-        """Note the loop's time since the last batch; after :data:`PROBE_BATCHES` batches, move the
-        fetching to a background thread if it pays, or stay inline for the rest of the epoch."""
+    def _decide(self, gap: float, consumer: torch.cuda.Stream | None) -> None:
+        """Note the loop's time since the last batch, and whether the GPU is still busy with what the
+        loop queued; after :data:`PROBE_BATCHES` batches, move the fetching to a background thread if
+        it pays (:func:`_thread_pays`), or stay inline for the rest of the epoch."""
         self._gaps.append(gap)
+        if consumer is not None and not self._gpu_busy:
+            mark = torch.cuda.Event()
+            mark.record(consumer)
+            self._gpu_busy = not mark.query()
         if len(self._gaps) < PROBE_BATCHES:
             return
-        if _thread_pays(self._gaps, self._fetches) and not self._ended():
+        if _thread_pays(self._gaps, self._fetches, self._gpu_busy) and not self._ended():
             self._finalizer.detach()
             self._start_thread()
         self._fetches = None  # decided: measure no more
@@ -447,13 +454,18 @@ def _deliveries(batches: Iterable[Any], copier: Copier, stop: threading.Event,
             copier.finish()
 
 
-def _thread_pays(gaps: list[float], fetches: list[float]) -> bool:
-    """Whether a background thread would make an epoch faster: the loop leaves time between batches
-    (``gaps``: its step, a sync included) and fetching a batch takes time (``fetches``: the loader,
-    staging, issuing copies), and the smaller of the two, what a thread could hide, is more than the
-    thread costs (:data:`THREAD_COST_S`). A loop that never waits for the GPU leaves no time, and a
-    batch of pinned tensors takes none to fetch: both are faster inline, without the handoffs."""
-    return min(min(gaps), min(fetches)) > THREAD_COST_S
+def _thread_pays(gaps: list[float], fetches: list[float], gpu_busy: bool) -> bool:
+    """Whether a background thread would make an epoch faster.
+
+    Not while the GPU is the bottleneck (``gpu_busy``: the loop's queued work still ran when it asked
+    for a batch): fetching on the loop's thread then costs the GPU nothing, where a thread would take
+    the GIL from the loop's launches and from a DataLoader's pin thread. Otherwise the loop's thread
+    waits for every fetch, so a thread pays when the loop leaves time between batches (``gaps``: its
+    step, a sync included) and fetching a batch takes time (``fetches``: the loader, staging, issuing
+    copies), and the smaller of the two, what a thread could hide, is more than the thread costs
+    (:data:`THREAD_COST_S`). A loop that does nothing between batches leaves no time to hide.
+    """
+    return not gpu_busy and min(min(gaps), min(fetches)) > THREAD_COST_S
 
 
 def _enter_stream(stream: torch.cuda.Stream | None) -> int | None:

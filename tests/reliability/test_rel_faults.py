@@ -563,16 +563,16 @@ def test_loader_ctrl_c_during_next(kind, how, device, tmp_path):
     if kind == "generator":
         def slow():
             for i in range(N // 4):
-                if i == 3:
-                    time.sleep(0.3)
+                if i == 5:  # read by the fetch thread, which takes over from the third batch
+                    time.sleep(0.6)
                 idx = torch.arange(i * 4, i * 4 + 4)
                 yield {"x": idx[:, None].expand(-1, 4).clone(), "i": idx}
         loader = slow
     else:
-        loader = DataLoader(Rows(N, at=13, what="slow", delay=0.3), batch_size=4, num_workers=2)
+        loader = DataLoader(Rows(N, at=21, what="slow", delay=0.6), batch_size=4, num_workers=2)
     with CudaPrefetcher(loader, device=device, depth=2) as pf:
         it = iter(pf)
-        got = [keep(next(it)) for _ in range(3)]
+        got = [keep(next(it)) for _ in range(5)]
         waited = _interrupted_next(it, 0.1, how)
         del it
         t = stopped()
@@ -583,7 +583,7 @@ def test_loader_ctrl_c_during_next(kind, how, device, tmp_path):
         assert len(again) == N // 4
     stopped()
     note(f"KeyboardInterrupt {waited:.2f} s after next() began (signal at 0.1 s, the loader's batch in "
-         f"flight ends at 0.3 s); thread gone {t:.2f} s, workers {w:.2f} s later; next epoch complete")
+         f"flight ends by 0.6 s); thread gone {t:.2f} s, workers {w:.2f} s later; next epoch complete")
 
 
 @pytest.mark.timeout(30)
