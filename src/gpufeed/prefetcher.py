@@ -295,7 +295,7 @@ class _EpochIterator:
             item = self._read_inline(consumer)
         else:
             try:
-                item = self._ahead.popleft() if self._ahead else self._get_threaded()
+                item = self._next_threaded()
             except BaseException:  # Ctrl-C while waiting: stop the thread now, not at garbage collection
                 self._shutdown("")
                 raise
@@ -377,9 +377,15 @@ class _EpochIterator:
         try:
             return next(self._deliveries, _worker.END)
         except BaseException as exc:  # re-raised by __next__ in its turn, as a thread's error would be
-            return _worker.Failure(exc)
+            # Without this frame: it holds ``self``, whose ``_ahead`` holds the failure (a reference cycle
+            # that keeps CUDA events alive for the garbage collector, which may run in a forked worker).
+            return _worker.Failure(exc.with_traceback(exc.__traceback__.tb_next))
 
-    def _get_threaded(self) -> Any:
+    def _next_threaded(self) -> Any:
+        try:
+            return self._ahead.popleft()  # those made inline before the thread took over come first
+        except IndexError:
+            pass
         item = self._get()
         if isinstance(item, Delivered):
             self._pf.stats.threaded_batches += 1
@@ -396,6 +402,7 @@ class _EpochIterator:
 
     def _finish(self) -> None:
         self._done = True
+        self._ahead.clear()  # batches made ahead: their device memory goes back now
         self._finalizer()
 
     def _shutdown(self, reason: str) -> None:
