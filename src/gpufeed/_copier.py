@@ -1,4 +1,4 @@
-"""The background thread's per-batch work: move every leaf of a batch to the device."""
+"""An epoch's per-batch work: move every leaf of a batch to the device."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from gpufeed.staging import PinnedUnavailable, Stager, warn_pageable
 from gpufeed.stats import PrefetchStats
 
 #: One batch in this many has its copies timed with CUDA events (``PrefetchStats.copy_s``): each CUDA call is
-#: time the background thread spends on every batch (docs/design.md), and a rate needs only a sample.
+#: time the fetching thread spends on every batch (docs/design.md), and a rate needs only a sample.
 TIME_EVERY = 16
 
 
@@ -57,11 +57,12 @@ class Delivered:
 class Copier:
     """Moves batches to ``device``: pinned tensors directly, pageable ones pinned first (``Stager``).
 
-    Lives in the background thread of one epoch. Every copy (and the transform) runs on the copy
-    stream, and one event recorded after them is what the consumer's stream waits on. Device tensors
-    are allocated on the copy stream and recorded on the consumer's stream (``record_stream``) before
-    the batch is handed over, so the caching allocator never gives their memory to a later copy while
-    the consumer's kernels may still read it. Host tensors that the copy engine reads directly (pinned
+    Belongs to one epoch, used by one thread at a time (the loop's, then maybe the epoch's fetch
+    thread), with the copy stream current. Every copy (and the transform) runs on the copy stream, and
+    one event recorded after them is what the consumer's stream waits on. Device tensors are allocated
+    on the copy stream and recorded on the consumer's stream (``record_stream``) before the batch is
+    handed over, so the caching allocator never gives their memory to a later copy while the
+    consumer's kernels may still read it. Host tensors that the copy engine reads directly (pinned
     leaves) are kept alive until their copy completed.
 
     A :class:`~gpufeed.ReadRequest` (a batch of a :class:`~gpufeed.SourceLoader`) reads itself through
@@ -202,7 +203,7 @@ class Copier:
                 self.stats.add(copy_s=start.elapsed_time(end) / 1e3, timed_bytes=nbytes)
 
     def finish(self) -> None:
-        """The epoch's fetch thread is ending: account the last copies and let go of what they read."""
+        """The epoch is ending: account the last copies and let go of what they read."""
         if self.stream is not None:
             try:
                 self._collect(wait=True)

@@ -3,7 +3,8 @@ prefetcher's life.
 
 Invariant: a buffer is handed out again only after the event recorded behind the last copy that read it
 has completed (:meth:`PinnedPool.release`), so a read never overwrites bytes the copy engine has not yet
-read. Only the background thread records and queries those events.
+read. Only the epoch's fetching thread (the loop's, or its fetch thread) records and queries those
+events, one thread at a time.
 """
 
 from __future__ import annotations

@@ -45,15 +45,18 @@ class CudaPrefetcher:
 
     Wraps any iterable (a DataLoader, a list, a callable that returns a fresh iterable each epoch),
     or a :class:`~gpufeed.SourceLoader`, which batches a :class:`~gpufeed.BatchSource` (files read
-    straight into the prefetcher's pinned buffers). A background
-    thread pulls batches ahead of the training loop; tensors that are not pinned are pinned there
-    (torch's caching host allocator) and copied to the device on one dedicated copy stream while the
-    loop computes on its own stream. Re-iterate it for each epoch; ``len``, ``set_epoch`` and
-    ``state_dict`` behave as a DataLoader's. ``pf.stats`` (a :class:`~gpufeed.PrefetchStats`) says
-    whether the loop waited for data: ``print(pf.stats.summary())``. Without CUDA (or with
-    ``device="cpu"``) the same class runs on the CPU, without streams; it reads ahead on a background
-    thread only where a core is left beside torch's intra-op threads (``torch.get_num_threads()``), and
-    otherwise reads each batch on the loop's thread when the loop asks for it (as ``num_workers=0`` does).
+    straight into the prefetcher's pinned buffers). ``depth`` batches are kept copied ahead of the
+    loop: tensors that are not pinned are pinned (torch's caching host allocator) and copied to the
+    device on one dedicated copy stream while the loop computes on its own stream. Each epoch fetches on
+    the loop's thread, as a one-ahead side-stream prefetcher does, and moves to a background thread when
+    its first batches show the loop waits for the GPU with time to hide the fetching in (a sync every
+    step, large pageable batches or a slow loader); ``pf.stats.threaded_batches`` counts those.
+    Re-iterate it for each epoch; ``len``, ``set_epoch`` and ``state_dict`` behave as a DataLoader's.
+    ``pf.stats`` (a :class:`~gpufeed.PrefetchStats`) says whether the loop waited for data:
+    ``print(pf.stats.summary())``. Without CUDA (or with ``device="cpu"``) the same class runs on the
+    CPU, without streams; there an epoch moves to a background thread only where a core is left beside
+    torch's intra-op threads (``torch.get_num_threads()``), and otherwise reads each batch on the loop's
+    thread when the loop asks for it (as ``num_workers=0`` does).
 
     Example:
         >>> loader = [{"x": torch.arange(4)}, {"x": torch.arange(4, 8)}]
@@ -65,7 +68,7 @@ class CudaPrefetcher:
         source: the loader: any iterable, a zero-argument callable returning one, or a SourceLoader.
         device: target device; ``None`` means the current CUDA device when CUDA is available, else CPU.
         depth: batches prefetched ahead of the one the loop holds (>= 1; 1 is double buffering); a CPU
-            prefetcher with no core to spare reads each batch when asked, without prefetching.
+            epoch on the loop's thread reads each batch when asked, without prefetching.
         transform: optional function applied to each batch on the device, on the copy stream (ship
             ``uint8`` and convert on the GPU: a quarter of the bytes of ``float32``).
         pinned_budget: bytes of pinned memory a SourceLoader's reads may hold (0 disables pinned staging
@@ -87,7 +90,7 @@ class CudaPrefetcher:
     * Pinned staging memory is refilled only after the event behind the copy that read it completed
       (:mod:`gpufeed.staging`).
     * At most ``depth`` batches are prefetched (copied or being copied) ahead of the batch the consumer
-      holds.
+      holds, whichever thread fetches them.
     """
 
     def __init__(
@@ -214,7 +217,7 @@ class CudaPrefetcher:
     # -- lifetime ----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the background thread, free pinned and device buffers; idempotent."""
+        """Stop the epoch (and its background thread), free pinned and device buffers; idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -236,7 +239,7 @@ class CudaPrefetcher:
         except Exception:
             pass
 
-    # -- used by the background thread -------------------------------------------------------------
+    # -- used by an epoch ---------------------------------------------------------------------------
 
     def _copier(self) -> Copier:
         # A copier and its reader threads belong to one epoch (they end with its fetch thread), so break,
