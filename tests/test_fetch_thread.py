@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+import gpufeed._worker
 import gpufeed.prefetcher
 from conftest import gpufeed_threads, wait_no_threads
 from gpufeed import CudaPrefetcher
@@ -132,3 +133,53 @@ def test_cuda_inline_keeps_depth_batches_copied_ahead(monkeypatch, depth):
         torch.cuda.synchronize()
     assert [int(t.float().mean().item()) for t in got] == list(range(10))
     assert all(int(t.min()) == int(t.max()) for t in got)
+
+
+def test_ctrl_c_in_an_inline_read_is_raised_at_once_not_after_the_batches_made_ahead(monkeypatch):
+    import _thread
+
+    monkeypatch.setattr(gpufeed.prefetcher, "THREAD_COST_S", float("inf"))  # stays inline
+
+    class Slow:
+        closed = False
+
+        def __iter__(self):
+            try:
+                for i in range(10):
+                    if i == 4:
+                        time.sleep(0.5)  # the read Ctrl-C lands in
+                    yield {"x": torch.tensor([i])}
+            finally:
+                Slow.closed = True
+
+    it = iter(CudaPrefetcher(Slow(), device="cpu", depth=2))
+    it._keep_ahead = 2  # the CUDA look-ahead: batches made ahead of the one returned
+    assert [next(it)["x"].item() for _ in range(2)] == [0, 1]
+    timer = threading.Timer(0.1, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(it)  # makes batch 4 ahead, before returning batch 2
+    finally:
+        timer.join()
+    assert Slow.closed
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_close_from_another_thread_while_the_fetch_thread_starts(monkeypatch):
+    pf = CudaPrefetcher([{"x": torch.tensor([i])} for i in range(50)], device="cpu", depth=2)
+    it = iter(pf)
+    next(it), next(it)
+
+    class Slots(gpufeed._worker.Slots):
+        def __init__(self, n):  # the close() lands while the epoch hands over to its thread
+            super().__init__(n)
+            closer = threading.Thread(target=pf.close)
+            closer.start()
+            closer.join()
+
+    monkeypatch.setattr(gpufeed._worker, "Slots", Slots)
+    with pytest.raises(RuntimeError, match="stopped: the CudaPrefetcher was closed"):
+        next(it)
+    assert wait_no_threads() < 5

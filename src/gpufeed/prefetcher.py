@@ -280,7 +280,8 @@ class _EpochIterator:
         self._gaps: list[float] = []
         self._fetches: list[float] | None = [] if may_thread else None
         self._gpu_busy = False  # the loop's GPU work was still running when it asked for a batch
-        self._finalizer = weakref.finalize(self, _close_inline, self._stop, self._deliveries)
+        self._fetcher: dict[str, Any] = {}  # the fetch thread and its queue, once one takes over
+        self._finalizer = weakref.finalize(self, _stop_epoch, self._stop, self._deliveries, self._fetcher)
 
     def __iter__(self) -> _EpochIterator:
         return self
@@ -292,17 +293,18 @@ class _EpochIterator:
             raise StopIteration
         t0 = time.perf_counter()
         consumer = torch.cuda.current_stream(self._pf.device) if self._pf._cuda else None
-        if self._thread is None and self._last_t is not None and self._fetches is not None:
-            self._decide(t0 - self._last_t, consumer)
-        if self._thread is None:
-            item = self._read_inline(consumer)
-        else:
-            try:
+        try:
+            if self._thread is None and self._last_t is not None and self._fetches is not None:
+                self._decide(t0 - self._last_t, consumer)
+            if self._thread is None:
+                item = self._read_inline(consumer)
+            else:
                 item = self._next_threaded()
-            except BaseException:  # Ctrl-C while waiting: stop the thread now, not at garbage collection
+                self._slots.release()
+        except BaseException:  # Ctrl-C, or closed from another thread: the epoch ends now, not at collection
+            if not self._done:
                 self._shutdown("")
-                raise
-            self._slots.release()
+            raise
         now = time.perf_counter()
         stats = self._pf.stats
         if self._last_t is None:  # the pipeline starting up: not a wait of the training loop
@@ -338,8 +340,7 @@ class _EpochIterator:
             self._gpu_busy = not mark.query()
         if len(self._gaps) < PROBE_BATCHES:
             return
-        if _thread_pays(self._gaps, self._fetches, self._gpu_busy) and not self._ended():
-            self._finalizer.detach()
+        if self._fetches and _thread_pays(self._gaps, self._fetches, self._gpu_busy) and not self._ended():
             self._start_thread()
         self._fetches = None  # decided: measure no more
 
@@ -349,13 +350,14 @@ class _EpochIterator:
     def _start_thread(self) -> None:
         """Hand the rest of the epoch's deliveries to a background thread; those made ahead inline stay
         first in line, and count against the ``depth`` batches the thread may make ahead."""
-        pf = self._pf
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._slots = _worker.Slots(pf.depth - len(self._ahead))
+        self._slots = _worker.Slots(self._pf.depth - len(self._ahead))
         args = (self._deliveries, self._copy_stream, self._queue, self._slots, self._stop)
-        self._thread = threading.Thread(target=_produce, args=args, name="gpufeed-fetch", daemon=True)
-        self._thread.start()
-        self._finalizer = weakref.finalize(self, _stop_thread, self._stop, self._thread, self._queue)
+        thread = threading.Thread(target=_produce, args=args, name="gpufeed-fetch", daemon=True)
+        self._fetcher.update(thread=thread, queue=self._queue)  # before it starts: the finalizer joins it
+        thread.start()
+        self._thread = thread
+        self._check_stopped()  # a close() from another thread while it started
 
     def _read_inline(self, consumer: torch.cuda.Stream | None) -> Any:
         """The next delivery, after making ``depth`` more ahead of it (CUDA) or none (CPU). Their copies
@@ -365,21 +367,31 @@ class _EpochIterator:
         try:
             while len(self._ahead) <= self._keep_ahead and not self._ended():
                 self._ahead.append(self._pull())
-                if self._stop.is_set():  # closed from another thread during this read: the epoch ends here
-                    self._done = True
-                    self._ahead.clear()
-                    _close_inline(self._stop, self._deliveries)
-                    raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
+                self._check_stopped()
         finally:
             _leave_stream(consumer, device)
         if self._fetches is not None and self._last_t is not None:
             self._fetches.append(time.perf_counter() - t0)
-        return self._ahead.popleft()
+        try:
+            return self._ahead.popleft()
+        except IndexError:  # cleared by a close() from another thread
+            self._check_stopped()
+            raise
+
+    def _check_stopped(self) -> None:
+        """Closed from another thread (while this one read, or started the thread): the epoch ends here."""
+        if self._stop.is_set():
+            self._done = True
+            self._ahead.clear()
+            _stop_epoch(self._stop, self._deliveries, self._fetcher)  # what the finalizer could not close
+            raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
 
     def _pull(self) -> Any:
+        """The next delivery, or the loader's error, re-raised by ``__next__`` in its turn (as a thread's
+        would be). Ctrl-C is raised now: it ends the epoch without handing out the batches made ahead."""
         try:
             return next(self._deliveries, _worker.END)
-        except BaseException as exc:  # re-raised by __next__ in its turn, as a thread's error would be
+        except Exception as exc:
             # Without this frame: it holds ``self``, whose ``_ahead`` holds the failure (a reference cycle
             # that keeps CUDA events alive for the garbage collector, which may run in a forked worker).
             return _worker.Failure(exc.with_traceback(exc.__traceback__.tb_next))
@@ -509,8 +521,13 @@ def _cpu_core_to_spare() -> bool:
     return cores > torch.get_num_threads()
 
 
-def _close_inline(stop: threading.Event, deliveries: Iterator[Delivered]) -> None:
+def _stop_epoch(stop: threading.Event, deliveries: Iterator[Delivered], fetcher: dict[str, Any]) -> None:
+    """End an epoch: stop its fetch thread if one took over, else close its deliveries (and with them
+    the loader's iterator)."""
     stop.set()
+    if "thread" in fetcher:
+        _stop_thread(stop, fetcher["thread"], fetcher["queue"])
+        return
     try:
         deliveries.close()  # type: ignore[attr-defined]  # its finally closes the loader's iterator
     except ValueError as exc:  # the loop's thread is reading: it closes the epoch after, seeing ``stop``
@@ -520,7 +537,7 @@ def _close_inline(stop: threading.Event, deliveries: Iterator[Delivered]) -> Non
 
 def _stop_thread(stop: threading.Event, thread: threading.Thread, q: queue.SimpleQueue) -> None:
     stop.set()
-    if thread is not threading.current_thread():
+    if thread is not threading.current_thread() and thread.ident is not None:  # (started)
         thread.join(_JOIN_S)
     while True:  # drop batches nobody will take, so their device memory goes back now
         try:
