@@ -1,7 +1,10 @@
-"""The memory-map gather: scattered rows copied out of a mapping of each file in one ``index_select``.
+"""The memory-map gather: scattered rows copied out of a mapping of each file in one call.
 
-Opt-in: a file truncated while it is mapped kills the process with SIGBUS when a page past its new end
-is touched, where a positional read raises a clear OSError.
+A file cut while it is mapped raises SIGBUS when a page past its new end is touched. The native gather
+(``gpufeed_gather`` in ``_pread_many.c``) catches it in the thread that gathers and raises an OSError
+naming the file, as a positional read does; without the native library the rows are copied with one
+``index_select``, and such a file kills the process. Opt-in either way (``mmap_gather=True``): a cold
+file's rows fault in one page at a time, where positional reads have all of a batch's reads in flight.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 
 from ._files import short_read_message
 from ._per_process import _PerProcess
+from ._pread import GATHER
 
 
 class FileMaps(_PerProcess):
@@ -38,6 +42,7 @@ class _Map:
         with warnings.catch_warnings():  # a read-only buffer: the tensor is only ever read
             warnings.simplefilter("ignore", UserWarning)
             self.flat = torch.frombuffer(m, dtype=torch.uint8)
+        self.addr = self.flat.data_ptr()
         self._rows: dict[int, torch.Tensor] = {}
 
     def rows(self, row_nbytes: int) -> torch.Tensor:
@@ -75,4 +80,20 @@ def _gather_file(maps: FileMaps, i: int, offsets: np.ndarray, row_nbytes: int, o
     size = min(m.mmap.size(), m.flat.numel()) if m is not None else 0
     if last + row_nbytes > size:
         raise OSError(short_read_message(maps.paths[i], last, row_nbytes, max(0, size - last)))
-    torch.index_select(m.rows(row_nbytes), 0, torch.from_numpy(offsets), out=out)
+    if GATHER is None or not out.is_contiguous():
+        torch.index_select(m.rows(row_nbytes), 0, torch.from_numpy(offsets), out=out)
+        return
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    bad = GATHER(m.addr, offsets.ctypes.data, len(offsets), row_nbytes, out.data_ptr())
+    if bad == -2:  # the SIGBUS handler could not be set: copy without it
+        torch.index_select(m.rows(row_nbytes), 0, torch.from_numpy(offsets), out=out)
+    elif bad >= 0:  # the file was cut while the rows were copied
+        path, at = maps.paths[i], int(offsets[bad])
+        raise OSError(short_read_message(path, at, row_nbytes, min(row_nbytes, max(0, _size_now(path) - at))))
+
+
+def _size_now(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0

@@ -24,11 +24,11 @@ import numpy as np
 from ._files import FileDescriptors, pread_exact, short_read_message
 
 LIBRARY = Path(__file__).with_name("_pread_many.so")
-ABI = 2  # gpufeed_pread_abi() of the library this module calls
+ABI = 3  # gpufeed_pread_abi() of the library this module calls
 
 
 def _load() -> Any:
-    """``gpufeed_pread_many`` from the library beside this module, or None (not built, or turned off)."""
+    """The library beside this module, or None (not built, or turned off)."""
     if os.environ.get("GPUFEED_NATIVE_PREAD", "1") == "0" or not LIBRARY.is_file():
         return None
     try:
@@ -36,15 +36,20 @@ def _load() -> Any:
         lib.gpufeed_pread_abi.restype = ctypes.c_int64
         if lib.gpufeed_pread_abi() != ABI:
             return None
-        fn = lib.gpufeed_pread_many
+        reads, gather = lib.gpufeed_pread_many, lib.gpufeed_gather
     except (OSError, AttributeError):  # built for another platform, or a stale build
         return None
-    fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-    return fn
+    reads.restype = gather.restype = ctypes.c_int64
+    reads.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    gather.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    return lib
 
 
-_NATIVE = _load()
+_LIB = _load()
+_NATIVE = _LIB.gpufeed_pread_many if _LIB is not None else None
+#: ``gpufeed_gather(base, offsets, n, row_bytes, out)``: rows copied out of a memory map, -1 when whole, else
+#: the row whose page lay past the end of its file (``_gather.py``); None without the library.
+GATHER = _LIB.gpufeed_gather if _LIB is not None else None
 
 
 def backend() -> str:

@@ -1,4 +1,5 @@
-/* pread_many: many positional reads in one call, for gpufeed's reader threads.
+/* pread_many: many positional reads in one call, for gpufeed's reader threads; and gather: rows copied out of
+ * a memory map, a file that shrinks under it raising an error instead of killing the process.
  *
  * Loaded with ctypes (sources/_pread.py), which releases the GIL for the whole call: a shuffled batch's
  * thousands of reads cost one GIL handoff per piece instead of one per read. Plain C and POSIX (plus Linux's
@@ -10,8 +11,12 @@
 #define _FILE_OFFSET_BITS 64 /* 64-bit off_t on 32-bit platforms too: files past 2 GiB */
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -86,6 +91,70 @@ int64_t gpufeed_pread_many(const int32_t *fds, const int64_t *offsets, const int
     return bad;
 }
 
+/* A page of a mapping past the end of its file raises SIGBUS when touched (the file was cut after it was
+ * mapped). While a thread gathers, its SIGBUS jumps back into gpufeed_gather, which reports the row; any
+ * other SIGBUS goes to the handler that was there before (the default one ends the process, as without
+ * gpufeed). */
+/* This thread's way back while it gathers; volatile, since only the handler reads it: the stores around
+ * the copy must stay. */
+static __thread sigjmp_buf *volatile gathering;
+static struct sigaction before; /* the SIGBUS handler ours passes other faults to */
+static pthread_mutex_t installing = PTHREAD_MUTEX_INITIALIZER;
+
+static void on_sigbus(int sig, siginfo_t *info, void *context)
+{
+    sigjmp_buf *back = gathering;
+    if (back != NULL)
+        siglongjmp(*back, 1);
+    if (before.sa_handler == SIG_DFL || before.sa_handler == SIG_IGN) /* (a union with sa_sigaction) */
+        signal(SIGBUS, SIG_DFL); /* the access faults again, and the default action ends the process */
+    else if (before.sa_flags & SA_SIGINFO)
+        before.sa_sigaction(sig, info, context);
+    else
+        before.sa_handler(sig);
+}
+
+/* Make on_sigbus the SIGBUS handler, unless it is already (a library may have set its own since). */
+static int own_sigbus(void)
+{
+    int ok = 0;
+    pthread_mutex_lock(&installing);
+    struct sigaction now;
+    if (sigaction(SIGBUS, NULL, &now) != 0) {
+        ok = -1;
+    } else if (!((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_sigbus)) {
+        struct sigaction ours;
+        memset(&ours, 0, sizeof ours);
+        ours.sa_sigaction = on_sigbus;
+        ours.sa_flags = SA_SIGINFO | SA_NODEFER;
+        sigemptyset(&ours.sa_mask);
+        before = now;
+        ok = sigaction(SIGBUS, &ours, NULL);
+    }
+    pthread_mutex_unlock(&installing);
+    return ok;
+}
+
+/* Copy the row_bytes at base + offsets[i] to out + i * row_bytes, for i in 0..n-1, base being a read-only
+ * memory map. Returns -1 when every row is copied; else the index of the row whose page lay past the end of
+ * its file (it shrank after it was mapped); -2 when the SIGBUS handler could not be set (nothing copied). */
+int64_t gpufeed_gather(const char *base, const int64_t *offsets, int64_t n, int64_t row_bytes, char *out)
+{
+    sigjmp_buf back;
+    volatile int64_t i = 0;
+    if (own_sigbus() != 0)
+        return -2;
+    if (sigsetjmp(back, 1) != 0) { /* a page past the end of the file: row i */
+        gathering = NULL;
+        return i;
+    }
+    gathering = &back;
+    for (; i < n; i++)
+        memcpy(out + i * row_bytes, base + offsets[i], (size_t)row_bytes);
+    gathering = NULL;
+    return -1;
+}
+
 /* The calling convention above; _pread.py loads a library only when this matches what it was written for,
  * so a library left from an older build is never called with other arguments. */
-int64_t gpufeed_pread_abi(void) { return 2; }
+int64_t gpufeed_pread_abi(void) { return 3; }

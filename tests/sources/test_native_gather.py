@@ -1,0 +1,74 @@
+"""The native memory-map gather: a file cut under its mapping raises an OSError, the process lives on."""
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from gpufeed.sources import RawSource, _gather, _pread
+
+pytestmark = pytest.mark.skipif(_pread.GATHER is None, reason="the native reader is not built")
+
+ROW = 4096
+
+
+def _run(body: str, path) -> subprocess.CompletedProcess:
+    """``body`` in a fresh interpreter over a 64-page file at ``path`` (a SIGBUS that is not caught ends
+    that process, not the suite's)."""
+    code = textwrap.dedent("""
+        import faulthandler, mmap, os, sys
+        import numpy as np
+        from gpufeed.sources import _pread
+        faulthandler.enable()  # a SIGBUS handler installed before gpufeed's, as pytest's is
+        path = sys.argv[1]
+        with open(path, "wb") as f:
+            f.write(bytes(range(256)) * (64 * 4096 // 256))
+        fd = os.open(path, os.O_RDONLY)
+        m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        view = np.frombuffer(m, dtype=np.uint8)
+        out = np.zeros((4, 4096), dtype=np.uint8)
+        def gather(offsets):
+            offsets = np.asarray(offsets, dtype=np.int64)
+            return _pread.GATHER(view.ctypes.data, offsets.ctypes.data, len(offsets), 4096, out.ctypes.data)
+    """) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60)
+
+
+def test_rows_of_a_file_cut_under_its_mapping_are_reported_and_the_process_lives(tmp_path):
+    p = _run("""
+        print("whole", gather([0, 8192, 4096, 65536 - 4096]), bool((out[1] == view[8192:12288]).all()))
+        os.truncate(path, 10 * 4096)  # cut after it was mapped
+        print("cut", gather([0, 4096, 20 * 4096, 0]))
+        print("again", gather([20 * 4096]))
+        print("alive")
+    """, tmp_path / "rows.bin")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split("\n")[:4] == ["whole -1 True", "cut 2", "again 0", "alive"]
+
+
+def test_a_sigbus_outside_a_gather_still_ends_the_process(tmp_path):
+    p = _run("""
+        gather([0])  # gpufeed's handler is installed now
+        os.truncate(path, 4096)
+        print(int(view[20 * 4096]))  # not a gather: the fault is not gpufeed's to catch
+    """, tmp_path / "rows.bin")
+    assert p.returncode != 0 and "Bus error" in p.stderr  # faulthandler's report, then the default action
+
+
+def test_a_cut_file_in_a_gather_raises_an_oserror_naming_it(tmp_path, monkeypatch):
+    rows = np.arange(64 * ROW, dtype=np.uint8).reshape(64, ROW) % 251
+    path = tmp_path / "x.npy"
+    np.save(path, rows)
+    src = RawSource(path, mmap_gather=True)
+    picked = np.array([5, 1, 60, 33, 17, 9, 41, 2, 55, 28])  # scattered: gathered from the map
+    out = {"x": torch.empty(len(picked), ROW, dtype=torch.uint8)}
+    src.read(picked, out)
+    assert torch.equal(out["x"], torch.from_numpy(rows[picked]))
+    # The file is cut while the rows are copied (after the size check): the gather reports row 2.
+    monkeypatch.setattr(_gather, "GATHER", lambda *args: 2)
+    with pytest.raises(OSError, match=r"short read from .*x[.]npy: expected 4096 bytes at offset"):
+        src.read(picked, out)
+    src.close()
