@@ -67,7 +67,7 @@ class GDSSource(FileSource):
             current one unless it is 1 (kvikio's default), which is raised to ``min(16, cpu count)``.
         task_size: bytes per kvikio task (``None``: kvikio's default).
         mmap_gather: in ``"compat"`` mode, gather shuffled batches from memory maps as ``RawSource`` does
-            (opt-in: a file truncated while mapped kills the process with SIGBUS). ``None``: the setting
+            (for files in the page cache). ``None``: the setting
             of the source given (off for a source built from paths). ``"gds"`` mode reads into device
             memory, where no gather applies: ``mode="gds"`` with the gather on raises ValueError, and
             ``mode="auto"`` that finds GPUDirect Storage reads without it.

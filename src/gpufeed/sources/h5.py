@@ -93,8 +93,8 @@ class H5Source(HostFileSource):
             to other work but is faster only with many chunks per batch (docs/design.md has the figures). A
             missing nvCOMP or CUDA warns once and decodes on the CPU. With GPU decoding the source reads to
             the device: its other fields are read into pinned memory and copied by the read itself.
-        mmap_gather: gather shuffled batches from memory maps, as for ``RawSource`` (opt-in: a file
-            truncated while mapped kills the process with SIGBUS). It applies to the fields read by byte
+        mmap_gather: gather shuffled batches from memory maps, as for ``RawSource`` (for files in the
+            page cache). It applies to the fields read by byte
             offset in every file; the others (gzip chunks decoded here, h5py) keep their path. ValueError
             when no field is read by byte offset (``describe()`` says how each one is read).
 

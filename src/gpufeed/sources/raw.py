@@ -46,10 +46,10 @@ class RawSource(HostFileSource):
         offset: bytes to skip at the start of each raw file (a header); ignored for ``.npy`` files.
         mmap_gather: gather the rows of a shuffled batch (many short runs) from a read-only memory map of
             each file, in one copy that releases the GIL, instead of one ``os.preadv`` per run; runs of
-            consecutive rows always use ``os.preadv``. Much faster for small rows read by many threads
-            (see the design notes), but opt-in: a file truncated or rewritten while it is mapped kills
-            the process with SIGBUS, where ``os.preadv`` raises an OSError naming the file. Turn it on
-            for files that nothing changes during training.
+            consecutive rows always use ``os.preadv``. Much faster for small rows in the page cache (see
+            the design notes), slower for a cold file (its pages fault in one at a time). A file cut while
+            mapped raises the OSError naming the file that a short read does (with the native reader;
+            without it, SIGBUS kills the process).
 
     Example:
         >>> np.save("x.npy", np.zeros((100, 3, 32, 32), np.uint8))      # doctest: +SKIP
