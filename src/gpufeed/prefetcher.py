@@ -28,7 +28,7 @@ from gpufeed.stats import PrefetchStats
 
 _LIVE: weakref.WeakSet[CudaPrefetcher] = weakref.WeakSet()
 _JOIN_S = 5.0
-#: A CUDA epoch's batches measured inline before it decides whether to fetch on a background thread.
+#: An epoch's batches measured inline before it decides whether to fetch on a background thread.
 PROBE_BATCHES = 2
 #: What a background thread costs the loop per batch: the GIL and queue handoffs, and its slower staging
 #: (torch's parallel copy wakes a second OpenMP team); docs/design.md has the grid behind it.
@@ -253,10 +253,15 @@ class _EpochIterator:
     by a background thread into a queue.
 
     An epoch starts inline; a CUDA one keeps ``depth`` batches copied ahead of the one it returns (the
-    copy of each runs on the copy stream while the loop computes). Once its first batches show that
-    the loop leaves time to hide the fetching in (:func:`_thread_pays`), the rest of the epoch is
-    fetched by a background thread, ``depth`` batches ahead. A CPU epoch moves only where a core is
-    left beside torch's intra-op threads (:func:`_cpu_core_to_spare`).
+    copy of each runs on the copy stream while the loop computes). Once its first batches show that a
+    thread would hide more than it costs (:func:`_thread_pays`: the GPU waits for the loop, which
+    leaves time between batches, and fetching takes time), the rest of the epoch is fetched by a
+    background thread, ``depth`` batches ahead. A CPU epoch moves only where a core is left beside
+    torch's intra-op threads (:func:`_cpu_core_to_spare`).
+
+    Invariants: batches reach the loop in the loader's order, each once, an error at its batch; at
+    most ``depth`` are fetched ahead of the one the loop holds, inline and on the thread together
+    (the thread's slots start at ``depth`` less those made ahead inline).
 
     The thread holds no reference to this object or to the prefetcher, so ``break``, ``del`` and
     garbage collection of the iterator stop it (a finalizer sets the stop flag and joins).
@@ -275,8 +280,8 @@ class _EpochIterator:
         # Inline: the deliveries made ahead of the one returned (Delivered, then END or a Failure last).
         self._ahead: collections.deque[Any] = collections.deque()
         self._keep_ahead = pf.depth if pf._cuda else 0
-        # While a CUDA epoch decides whether a thread pays: the loop's time between two batches, and the
-        # time fetching a batch took; ``None`` once decided (or for a CPU epoch).
+        # While the epoch decides whether a thread pays: the loop's time between two batches, and the
+        # time fetching a batch took; ``None`` once decided (or where no thread may take over).
         self._gaps: list[float] = []
         self._fetches: list[float] | None = [] if may_thread else None
         self._gpu_busy = False  # the loop's GPU work was still running when it asked for a batch
