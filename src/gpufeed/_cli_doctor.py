@@ -206,7 +206,7 @@ def advice(r: dict[str, Any]) -> list[str]:
     if not r["cuda_available"]:
         why = ("torch is a CUDA build but sees no GPU (no driver, or CUDA_VISIBLE_DEVICES hides them)"
                if r["torch_cuda"] else "torch is a CPU-only build: install a CUDA build on a GPU machine")
-        out.append(f"no CUDA device: gpufeed runs on the CPU (a background thread, no streams); {why}")
+        out.append(f"no CUDA device: gpufeed runs on the CPU (no streams); {why}")
     h2d = r.get("h2d")
     if h2d:
         ratio = h2d["pinned_GBps"] / max(h2d["pageable_GBps"], 1e-9)

@@ -5,7 +5,7 @@ field's region cache-line aligned) and each chunk as *pieces* (rows ``[a, b)``: 
 worker thread). :meth:`SourceBatch.start` takes pinned buffers, binds every piece to its views and
 submits the reads; :meth:`SourceBatch.read` waits for them chunk by chunk and copies each chunk to the
 device on the copy stream. Once a batch has all its reads submitted it starts its successor's, so the
-readers never idle while the background thread finishes a batch (docs/design.md, "Reading a
+readers never idle while the fetching thread finishes a batch (docs/design.md, "Reading a
 BatchSource").
 
 Invariants: a batch starts its successor only after all of its own chunks hold buffers, and a start
@@ -43,7 +43,7 @@ def split(total: int, piece: int) -> list[tuple[int, int]]:
     return [(off, min(piece, total - off)) for off in range(0, total, piece)]
 
 
-#: A staged batch that is one read this small runs on the background thread itself: handing it to a worker
+#: A staged batch that is one read this small runs on the fetching thread itself: handing it to a worker
 #: costs GIL handoffs (submit, wake, result, wake), and each can delay the training thread's next torch call.
 #: (A direct read always reads its first piece on the calling thread.)
 INLINE_BYTES = 1 << 20
@@ -238,7 +238,7 @@ class SourceBatch(ReadRequest):
     # -- planning ----------------------------------------------------------------------------------
 
     def _one_small_read(self) -> bool:
-        """A staged batch read on the background thread itself: one small read (see ``INLINE_BYTES``)."""
+        """A staged batch read on the fetching thread itself: one small read (see ``INLINE_BYTES``)."""
         plan = self._plan or ()
         return len(plan) == 1 and len(plan[0][4]) == 1 and plan[0][3] <= INLINE_BYTES
 

@@ -27,7 +27,8 @@ class ReadRequest(abc.ABC):
     """One batch that reads itself to the device: what a :class:`SourceLoader` yields.
 
     The protocol between a loader of a source and :class:`~gpufeed.CudaPrefetcher`: when the
-    prefetcher's background thread takes a ``ReadRequest`` from the loader it wraps, it calls
+    prefetcher takes a ``ReadRequest`` from the loader it wraps (on the loop's thread or its fetch
+    thread), it calls
     :meth:`read` instead of copying the item's tensors. ``read`` may use these members of the copier:
     ``device``, ``stream`` (the copy stream, already the calling thread's current stream; ``None`` on
     the CPU), ``pool`` (pinned buffers, refilled only after the copy that read them completed),
@@ -47,7 +48,7 @@ class SourceLoader:
     """Batches of a :class:`~gpufeed.BatchSource`: the rows of each batch, read by the prefetcher.
 
     The source-side counterpart of a ``DataLoader``: wrap it in a :class:`~gpufeed.CudaPrefetcher`,
-    which reads each batch straight into pinned and device buffers on its background thread::
+    which reads each batch straight into pinned and device buffers::
 
         loader = SourceLoader(H5Source("train.h5"), batch_size=256, shuffle=True)
         for batch in CudaPrefetcher(loader):        # batch["x"] is on the GPU

@@ -16,10 +16,10 @@ class PrefetchStats:
     ``wall_s`` the time from each epoch's first batch to its last; the wait for an epoch's first batch
     (the pipeline starting: threads, a DataLoader's workers) is ``startup_s``, counted in neither.
     ``stall_fraction`` is ``wait_s / wall_s``: near 0 means the GPU never waited for data, near 1 that
-    the loop is input-bound. ``fetch_s`` and ``stage_s`` are the background thread's time pulling from the
-    loader (or reading the source) and copying pageable memory into pinned buffers. ``copy_s`` is the H2D
-    time on the copy stream of the batches timed with CUDA events (one batch in 16: a CUDA event costs the
-    background thread time on every batch), and ``timed_bytes`` what they copied, so ``h2d_GBps`` is the
+    the loop is input-bound. ``fetch_s`` and ``stage_s`` are the time spent pulling from the loader (or
+    reading the source) and copying pageable memory into pinned buffers, on whichever thread fetched.
+    ``copy_s`` is the H2D time on the copy stream of the batches timed with CUDA events (one batch in 16:
+    a CUDA event costs time on every batch), and ``timed_bytes`` what they copied, so ``h2d_GBps`` is the
     link's rate over that sample.
 
     Example:
@@ -63,7 +63,7 @@ class PrefetchStats:
         return self.stall_fraction > 0.05
 
     def add(self, **deltas: float) -> None:
-        """Add to counters from the background thread (thread-safe)."""
+        """Add to counters from the fetching thread (thread-safe)."""
         with self._lock:
             for k, v in deltas.items():
                 setattr(self, k, getattr(self, k) + v)
