@@ -3,7 +3,7 @@
     python examples/quickstart.py              # a few epochs of a small synthetic data set
     python examples/quickstart.py --smoke      # tiny, on the CPU, a couple of seconds
 
-Without CUDA, ``CudaPrefetcher`` runs the same loop on the CPU (a background thread, no streams).
+Without CUDA, ``CudaPrefetcher`` runs the same loop on the CPU (no streams).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ _JOIN_S = 5.0
 #: An epoch's batches measured inline before it decides whether to fetch on a background thread.
 PROBE_BATCHES = 2
 #: What a background thread costs the loop per batch: the GIL and queue handoffs, and its slower staging
-#: (torch's parallel copy wakes a second OpenMP team); docs/design.md has the grid behind it.
+#: (torch's parallel copy wakes a second OpenMP team). The full grid ran with 1 ms; the A/B in
+#: docs/design.md puts the break-even between 1.7 and 6 ms.
 THREAD_COST_S = 1e-3
 
 
@@ -49,8 +50,8 @@ class CudaPrefetcher:
     loop: tensors that are not pinned are pinned (torch's caching host allocator) and copied to the
     device on one dedicated copy stream while the loop computes on its own stream. Each epoch fetches on
     the loop's thread, as a one-ahead side-stream prefetcher does, and moves to a background thread when
-    its first batches show the loop waits for the GPU with time to hide the fetching in (a sync every
-    step, large pageable batches or a slow loader); ``pf.stats.threaded_batches`` counts those.
+    its first batches show the GPU idle when the loop asks (a sync every step) with time to hide the
+    fetching in (large pageable batches or a slow loader); ``pf.stats.threaded_batches`` counts those.
     Re-iterate it for each epoch; ``len``, ``set_epoch`` and ``state_dict`` behave as a DataLoader's.
     ``pf.stats`` (a :class:`~gpufeed.PrefetchStats`) says whether the loop waited for data:
     ``print(pf.stats.summary())``. Without CUDA (or with ``device="cpu"``) the same class runs on the
@@ -183,8 +184,9 @@ class CudaPrefetcher:
     def export_trace(self, path: str | os.PathLike[str]) -> str:
         """Write a Chrome/Perfetto trace of every batch's stages and the consumer's waits.
 
-        Open it in https://ui.perfetto.dev or chrome://tracing: one row for the fetch thread (fetch,
-        stage, copy issue), one for the consumer (wait). Needs ``trace=True`` (or ``GPUFEED_TRACE=1``).
+        Open it in https://ui.perfetto.dev or chrome://tracing: one row for the fetching (fetch, stage,
+        copy issue; on the loop's thread these spans lie inside its waits), one for the consumer (wait).
+        Needs ``trace=True`` (or ``GPUFEED_TRACE=1``).
         """
         if self._trace is None:
             raise RuntimeError("tracing is off: create the prefetcher with trace=True "

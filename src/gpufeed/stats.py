@@ -16,7 +16,8 @@ class PrefetchStats:
     ``wall_s`` the time from each epoch's first batch to its last; the wait for an epoch's first batch
     (the pipeline starting: threads, a DataLoader's workers) is ``startup_s``, counted in neither.
     ``stall_fraction`` is ``wait_s / wall_s``: near 0 means the GPU never waited for data, near 1 that
-    the loop is input-bound. ``fetch_s`` and ``stage_s`` are the time spent pulling from the loader (or
+    the loop is input-bound (or, inline, that fetching took the loop's time while the GPU may have been
+    busy). ``fetch_s`` and ``stage_s`` are the time spent pulling from the loader (or
     reading the source) and copying pageable memory into pinned buffers, on whichever thread fetched.
     ``copy_s`` is the H2D time on the copy stream of the batches timed with CUDA events (one batch in 16:
     a CUDA event costs time on every batch), and ``timed_bytes`` what they copied, so ``h2d_GBps`` is the
@@ -59,7 +60,8 @@ class PrefetchStats:
 
     @property
     def input_bound(self) -> bool:
-        """True when the consumer waited more than 5% of the time: the GPU starves."""
+        """True when the consumer spent more than 5% of the time in ``next()`` (waiting, or fetching on its
+        own thread): the GPU starves unless it was busy meanwhile."""
         return self.stall_fraction > 0.05
 
     def add(self, **deltas: float) -> None:
