@@ -451,7 +451,9 @@ def _produce(deliveries: Iterator[Any], stream: torch.cuda.Stream | None, q: que
     except _worker.Stopped:
         pass
     except BaseException as exc:  # forwarded with its traceback; re-raised in the consumer
-        q.put(_worker.Failure(exc))
+        if not stop.is_set():  # (a stopped epoch's consumer is gone: dropping it frees the loader now)
+            # Without this frame, which holds ``q``: no reference cycle keeps the loader's iterator alive.
+            q.put(_worker.Failure(exc.with_traceback(exc.__traceback__.tb_next)))
     finally:
         deliveries.close()  # type: ignore[attr-defined]  # its finally closes the loader's iterator
 

@@ -7,6 +7,7 @@ Every test that verifies delivered bytes calls :func:`checked`; every test state
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import threading
@@ -333,4 +334,11 @@ def shut_down_loader_workers(exc: BaseException) -> int:
             obj._shutdown_workers()
             n += 1
         tb = tb.tb_next
+    # A worker's death can also surface in the main thread, raised by the SIGCHLD handler that a
+    # DataLoader first iterated there installs: that traceback holds no iterator, and the epoch's fetch
+    # thread may still be inside it (for up to the DataLoader's 5 s status interval).
+    for obj in gc.get_objects():
+        if type(obj) is _MultiProcessingDataLoaderIter and not obj._shutdown:  # (no __class__ lookups)
+            obj._shutdown_workers()
+            n += 1
     return n
