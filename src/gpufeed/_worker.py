@@ -17,13 +17,21 @@ class Stopped(Exception):
 
 @dataclass
 class Failure:
-    """An exception raised in the background thread, carried to the consumer and re-raised there.
+    """An exception raised while fetching a batch, carried to the consumer and re-raised there.
 
     The original exception object is re-raised, so its type and its traceback (through the loader's
     or the source's frames) are what the user sees.
     """
 
     exc: BaseException
+
+    @classmethod
+    def caught(cls, exc: BaseException) -> Failure:
+        """``exc``, as caught by the caller, without the caller's frame in its traceback: that frame holds
+        what holds the failure (the queue, or the epoch's read-ahead), a reference cycle that would keep
+        the loader's iterator and CUDA events alive until the garbage collector runs, maybe in a forked
+        DataLoader worker."""
+        return cls(exc.with_traceback(exc.__traceback__.tb_next if exc.__traceback__ else None))
 
     def reraise(self) -> None:
         # Drop our references before raising (as concurrent.futures does): otherwise exception ->

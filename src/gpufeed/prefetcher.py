@@ -399,9 +399,7 @@ class _EpochIterator:
         try:
             return next(self._deliveries, _worker.END)
         except Exception as exc:
-            # Without this frame: it holds ``self``, whose ``_ahead`` holds the failure (a reference cycle
-            # that keeps CUDA events alive for the garbage collector, which may run in a forked worker).
-            return _worker.Failure(exc.with_traceback(exc.__traceback__.tb_next))
+            return _worker.Failure.caught(exc)
 
     def _next_threaded(self) -> Any:
         try:
@@ -452,8 +450,7 @@ def _produce(deliveries: Iterator[Any], stream: torch.cuda.Stream | None, q: que
         pass
     except BaseException as exc:  # forwarded with its traceback; re-raised in the consumer
         if not stop.is_set():  # (a stopped epoch's consumer is gone: dropping it frees the loader now)
-            # Without this frame, which holds ``q``: no reference cycle keeps the loader's iterator alive.
-            q.put(_worker.Failure(exc.with_traceback(exc.__traceback__.tb_next)))
+            q.put(_worker.Failure.caught(exc))
     finally:
         deliveries.close()  # type: ignore[attr-defined]  # its finally closes the loader's iterator
 
@@ -531,24 +528,21 @@ def _cpu_core_to_spare() -> bool:
 
 
 def _stop_epoch(stop: threading.Event, deliveries: Iterator[Delivered], fetcher: dict[str, Any]) -> None:
-    """End an epoch: stop its fetch thread if one took over, else close its deliveries (and with them
-    the loader's iterator)."""
+    """End an epoch: stop its fetch thread if one took over (and drop the batches nobody will take, so
+    their device memory goes back now), else close its deliveries (and with them the loader's iterator)."""
     stop.set()
-    if "thread" in fetcher:
-        _stop_thread(stop, fetcher["thread"], fetcher["queue"])
+    thread = fetcher.get("thread")
+    if thread is None:
+        try:
+            deliveries.close()  # type: ignore[attr-defined]  # its finally closes the loader's iterator
+        except ValueError as exc:  # the loop's thread is reading: it closes the epoch after, seeing ``stop``
+            if "already executing" not in str(exc):
+                raise
         return
-    try:
-        deliveries.close()  # type: ignore[attr-defined]  # its finally closes the loader's iterator
-    except ValueError as exc:  # the loop's thread is reading: it closes the epoch after, seeing ``stop``
-        if "already executing" not in str(exc):
-            raise
-
-
-def _stop_thread(stop: threading.Event, thread: threading.Thread, q: queue.SimpleQueue) -> None:
-    stop.set()
     if thread is not threading.current_thread() and thread.ident is not None:  # (started)
         thread.join(_JOIN_S)
-    while True:  # drop batches nobody will take, so their device memory goes back now
+    q = fetcher["queue"]
+    while True:
         try:
             q.get_nowait()
         except queue.Empty:

@@ -80,12 +80,11 @@ def _gather_file(maps: FileMaps, i: int, offsets: np.ndarray, row_nbytes: int, o
     size = min(m.mmap.size(), m.flat.numel()) if m is not None else 0
     if last + row_nbytes > size:
         raise OSError(short_read_message(maps.paths[i], last, row_nbytes, max(0, size - last)))
-    if GATHER is None or not out.is_contiguous():
-        torch.index_select(m.rows(row_nbytes), 0, torch.from_numpy(offsets), out=out)
-        return
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
-    bad = GATHER(m.addr, offsets.ctypes.data, len(offsets), row_nbytes, out.data_ptr())
-    if bad == -2:  # the SIGBUS handler could not be set: copy without it
+    bad = -2  # -2: not gathered natively (no library, a strided ``out``, or no SIGBUS handler)
+    if GATHER is not None and out.is_contiguous():
+        bad = GATHER(m.addr, offsets.ctypes.data, len(offsets), row_nbytes, out.data_ptr())
+    if bad == -2:
         torch.index_select(m.rows(row_nbytes), 0, torch.from_numpy(offsets), out=out)
     elif bad >= 0:  # the file was cut while the rows were copied
         path, at = maps.paths[i], int(offsets[bad])

@@ -94,9 +94,8 @@ int64_t gpufeed_pread_many(const int32_t *fds, const int64_t *offsets, const int
 /* A page of a mapping past the end of its file raises SIGBUS when touched (the file was cut after it was
  * mapped). While a thread gathers, its SIGBUS jumps back into gpufeed_gather, which reports the row; any
  * other SIGBUS goes to the handler that was there before (the default one ends the process, as without
- * gpufeed). */
-/* This thread's way back while it gathers; volatile, since only the handler reads it: the stores around
- * the copy must stay. */
+ * gpufeed). `gathering` is this thread's way back; volatile, since only the handler reads it, so the
+ * stores around the copy stay. */
 static __thread sigjmp_buf *volatile gathering;
 static struct sigaction before; /* the SIGBUS handler ours passes other faults to */
 static pthread_mutex_t installing = PTHREAD_MUTEX_INITIALIZER;
