@@ -13,6 +13,7 @@ from gpufeed import CudaPrefetcher
 from gpufeed.prefetcher import PROBE_BATCHES, _thread_pays
 
 REAL_COST = gpufeed.prefetcher.THREAD_COST_S  # read at import, before the suite patches it
+STEP_S = 2 * REAL_COST  # a step, and a fetch, that leave a thread time to pay
 
 
 @pytest.fixture
@@ -43,10 +44,11 @@ def _on_gpufeed_thread():
 
 
 @pytest.mark.parametrize(("gaps", "fetches", "pays"), [
-    ([2e-3, 3e-3], [2e-3], True),  # both leave time: 2 ms a batch hidden
-    ([2e-3, 1e-5], [2e-3], False),  # one step left no time
-    ([5e-3, 5e-3], [5e-5], False),  # fetching takes no time (pinned batches)
-    ([1e-5, 1e-5], [5e-3], False),  # the loop never waits (no compute, or the GPU is ahead)
+    ([2 * REAL_COST, 3 * REAL_COST], [2 * REAL_COST], True),  # both leave time to hide
+    ([2 * REAL_COST, 1e-5], [2 * REAL_COST], False),  # one step left no time
+    ([5 * REAL_COST, 5 * REAL_COST], [5e-5], False),  # fetching takes no time (pinned batches)
+    ([1e-5, 1e-5], [5 * REAL_COST], False),  # the loop never waits (no compute, or the GPU is ahead)
+    ([0.5 * REAL_COST] * 2, [0.5 * REAL_COST], False),  # less to hide than the thread costs
 ])
 def test_a_thread_pays_only_where_it_hides_more_than_it_costs(real_cost, gaps, fetches, pays):
     assert _thread_pays(gaps, fetches, gpu_busy=False) is pays
@@ -63,12 +65,12 @@ def test_a_fast_loop_fetches_every_batch_on_its_own_thread(real_cost):
 
 
 def test_a_loop_that_leaves_time_moves_the_fetching_to_a_thread(real_cost):
-    loader = Loader(8, fetch_s=0.004)
+    loader = Loader(8, fetch_s=STEP_S)
     got = []
     pf = CudaPrefetcher(loader, device="cpu", depth=2)
     for b in pf:
         got.append(b["x"].tolist())
-        time.sleep(0.004)  # a step
+        time.sleep(STEP_S)  # a step
     assert got == [[i] * 3 for i in range(8)]
     assert pf.stats.threaded_batches == 8 - PROBE_BATCHES
     # the probe's batches on the loop's thread, the rest on the background thread
@@ -77,10 +79,10 @@ def test_a_loop_that_leaves_time_moves_the_fetching_to_a_thread(real_cost):
 
 
 def test_each_epoch_decides_again(real_cost):
-    loader = Loader(6, fetch_s=0.004)
+    loader = Loader(6, fetch_s=STEP_S)
     pf = CudaPrefetcher(loader, device="cpu")
     for _ in pf:
-        time.sleep(0.004)
+        time.sleep(STEP_S)
     assert loader.threads[-1]
     loader.threads.clear()
     loader.fetch_s = 0.0
@@ -91,21 +93,21 @@ def test_each_epoch_decides_again(real_cost):
 
 @pytest.mark.parametrize("fail_at", [1, PROBE_BATCHES, PROBE_BATCHES + 2])
 def test_an_error_arrives_at_its_batch_before_and_after_the_move(real_cost, fail_at):
-    loader = Loader(8, fetch_s=0.003, fail_at=fail_at)
+    loader = Loader(8, fetch_s=STEP_S, fail_at=fail_at)
     got = []
     with pytest.raises(KeyError, match=f"batch {fail_at}"):
         for b in CudaPrefetcher(loader, device="cpu"):
             got.append(b["x"][0].item())
-            time.sleep(0.003)
+            time.sleep(STEP_S)
     assert got == list(range(fail_at))
     assert wait_no_threads() < 5
 
 
 def test_break_after_the_move_stops_the_thread(real_cost):
-    loader = Loader(1000, fetch_s=0.002)
+    loader = Loader(1000, fetch_s=STEP_S)
     pf = CudaPrefetcher(loader, device="cpu")
     for i, _ in enumerate(pf):
-        time.sleep(0.002)
+        time.sleep(STEP_S)
         if i == PROBE_BATCHES + 2:
             assert gpufeed_threads()
             break

@@ -31,9 +31,9 @@ _JOIN_S = 5.0
 #: An epoch's batches measured inline before it decides whether to fetch on a background thread.
 PROBE_BATCHES = 2
 #: What a background thread costs the loop per batch: the GIL and queue handoffs, and its slower staging
-#: (torch's parallel copy wakes a second OpenMP team). The full grid ran with 1 ms; the A/B in
-#: docs/design.md puts the break-even between 1.7 and 6 ms.
-THREAD_COST_S = 1e-3
+#: (torch's parallel copy wakes a second OpenMP team). The A/B in docs/design.md puts the break-even
+#: between 1.7 and 6 ms on an H100 and between 1.8 and 4.6 ms on an H200.
+THREAD_COST_S = 3e-3
 
 
 class CudaPrefetcher:
