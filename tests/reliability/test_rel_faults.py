@@ -190,13 +190,14 @@ def _wait_read_ahead(it, depth, timeout=10.0):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("gather", [False, True], ids=["pread", "mmap gather"])
+@pytest.mark.parametrize("gather", [False, None, True], ids=["pread", "default", "mmap gather"])
 @pytest.mark.parametrize("kind", RAW_BYTES)
 def test_source_file_truncated_between_shuffled_batches(kind, gather, tmp_path):
-    """Shuffled batches, read with positional reads or gathered from a memory map (the opt-in
-    ``mmap_gather=True``): a file truncated while no read is in flight gives a clean OSError naming
-    the file. (Truncated *during* a gather, the process dies of SIGBUS: finding 1 of docs/reliability.md;
-    each case runs in a forked child so that could not take pytest down.)"""
+    """Shuffled batches, read with positional reads (``mmap_gather=False``), as by default (rows in the page
+    cache gathered from a memory map) or always gathered (``mmap_gather=True``): a file truncated while no
+    read is in flight gives a clean OSError naming the file. (Truncated *during* a gather: the native
+    gather turns the SIGBUS into the same OSError, finding 1 of docs/reliability.md; each case runs in a
+    forked child so that a SIGBUS could not take pytest down.)"""
     if kind not in ("raw", "raw-multi"):
         pytest.importorskip("h5py")
     disk = OnDisk(kind, tmp_path)

@@ -58,7 +58,7 @@ def test_bad_arguments(tmp_path):
         GDSSource(tmp_path / "x.npy", num_threads=0)
     with pytest.raises(ValueError, match="extra arguments"):
         GDSSource(RawSource(tmp_path / "x.npy"), "float32")
-    with pytest.raises(ValueError, match="mmap_gather must be True or False"):
+    with pytest.raises(ValueError, match="mmap_gather must be True, False or None"):
         GDSSource(tmp_path / "x.npy", mmap_gather="yes")
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpufeed.sources import RawSource, _gather, _pread
+from gpufeed.sources import RawSource, _gather, _host_source, _pread
 
 pytestmark = pytest.mark.skipif(_pread.GATHER is None, reason="the native reader is not built")
 
@@ -72,3 +72,41 @@ def test_a_cut_file_in_a_gather_raises_an_oserror_naming_it(tmp_path, monkeypatc
     with pytest.raises(OSError, match=r"short read from .*x[.]npy: expected 4096 bytes at offset"):
         src.read(picked, out)
     src.close()
+
+
+def test_by_default_only_rows_in_the_page_cache_are_gathered(tmp_path, monkeypatch):
+    path = tmp_path / "rows.bin"
+    with open(path, "wb") as f:
+        f.write(bytes(range(256)) * (16 * ROW // 256))  # rows 0-15 written: in the page cache
+        f.truncate(64 * ROW)  # rows 16-63 a hole: in no cache until read
+    expect = np.zeros((64, ROW), dtype=np.uint8)
+    expect[:16] = np.frombuffer(bytes(range(256)) * (ROW // 256), dtype=np.uint8)
+    gathered = []
+    real = _gather.gather_rows
+    monkeypatch.setattr(_host_source, "gather_rows", lambda *a: (gathered.append(len(a[2])), real(*a)))
+    src = RawSource(path, dtype="uint8", shape=(ROW,))
+    assert src.mmap_gather is None
+    written = np.array([3, 0, 9, 15, 7, 1, 12, 5, 10])  # nine runs: a scattered read
+    for rows, want in ((written, [9]), (written + 40, [9])):  # the hole's rows: positional reads
+        out = {"x": torch.empty(len(rows), ROW, dtype=torch.uint8)}
+        src.read(rows, out)
+        assert gathered == want and torch.equal(out["x"], torch.from_numpy(expect[rows]))
+    src.close()
+
+
+def test_resident_reads_the_page_cache_without_faulting_pages_in(tmp_path):
+    p = _run("""
+        os.truncate(path, 128 * 4096)  # pages 64-127: a hole, in no cache
+        m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        view = np.frombuffer(m, dtype=np.uint8)
+        def resident(offsets, row=4096):
+            offsets = np.asarray(offsets, dtype=np.int64)
+            return _pread.RESIDENT(view.ctypes.data, len(m), offsets.ctypes.data, len(offsets), row)
+        hole = 4096 * 70
+        print(resident([0, 4096 * 63]), resident([4096 * 64 + 1]), resident([hole]), resident([hole]))
+        print(resident([4096 * 128 - 8], row=16), resident([-1]), resident([0], row=0))
+    """, tmp_path / "rows.bin")
+    assert p.returncode == 0, p.stderr
+    # a row in the hole is not resident, and looking does not make it so;
+    # nor is a row past the end of the mapping, at a negative offset, or of no bytes
+    assert p.stdout.split("\n")[:2] == ["1 0 0 0", "0 0 0"]

@@ -1,5 +1,6 @@
 """Shuffled rows through ``pread_many``: the compiled library and the Python fallback, forced in turn, read
-the same bytes and raise the same errors naming the file."""
+the same bytes and raise the same errors naming the file. The sources here are made with
+``mmap_gather=False``: by default rows in the page cache are gathered from a memory map instead."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def test_shuffled_rows_are_exact(backend, tmp_path):
     np.save(tmp_path / "a.npy", x[:120])
     np.save(tmp_path / "b.npy", x[120:])
     np.save(tmp_path / "y.npy", y)
-    src = RawSource(fields={"x": [tmp_path / "a.npy", tmp_path / "b.npy"], "y": tmp_path / "y.npy"})
+    src = RawSource(fields={"x": [tmp_path / "a.npy", tmp_path / "b.npy"], "y": tmp_path / "y.npy"},
+                    mmap_gather=False)  # positional reads, not a gather from the page cache
     for rows in (np.sort(rng.choice(300, 90, replace=False)), rng.permutation(300)[:77],
                  np.array([5, 5, 119, 120, 121, 299, 0, 0]), np.arange(100, 140)):
         out = _read(src, rows, src.fields)
@@ -60,7 +62,7 @@ def test_shuffled_hdf5_rows_are_exact(backend, tmp_path):
     with h5py.File(tmp_path / "d.h5", "w") as f:
         f.create_dataset("contiguous", data=x)
         f.create_dataset("chunked", data=x, chunks=(16, 4, 5))
-    src = H5Source(tmp_path / "d.h5", fields=["contiguous", "chunked"])
+    src = H5Source(tmp_path / "d.h5", fields=["contiguous", "chunked"], mmap_gather=False)
     rows = np.sort(rng.choice(200, 60, replace=False))
     out = _read(src, rows, src.fields)
     for name in ("contiguous", "chunked"):
@@ -72,7 +74,7 @@ def test_file_truncated_mid_read_names_it(backend, tmp_path):
     """The last row is cut 40 bytes short: its read comes back short, then at the end of the file."""
     x = np.random.default_rng(2).integers(0, 256, size=(50, 100), dtype=np.uint8)
     np.save(tmp_path / "x.npy", x)
-    src = RawSource(tmp_path / "x.npy")
+    src = RawSource(tmp_path / "x.npy", mmap_gather=False)
     header = os.path.getsize(tmp_path / "x.npy") - x.nbytes
     os.truncate(tmp_path / "x.npy", os.path.getsize(tmp_path / "x.npy") - 40)
     want = (f"short read from {tmp_path / 'x.npy'}: expected 100 bytes at offset {header + 49 * 100}, "
@@ -142,7 +144,7 @@ def test_reads_outside_the_buffer_are_refused(backend, tmp_path):
 def test_python_loop_resumes_short_reads(tmp_path, monkeypatch):
     x = np.arange(4000, dtype=np.uint8).reshape(400, 10)
     np.save(tmp_path / "x.npy", x)
-    src = RawSource(tmp_path / "x.npy")
+    src = RawSource(tmp_path / "x.npy", mmap_gather=False)
     real = os.preadv
     monkeypatch.setattr(_pread, "_NATIVE", None)
     monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: real(fd, [bufs[0][:3]], off))  # 3 bytes a call

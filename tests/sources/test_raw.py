@@ -182,17 +182,26 @@ def test_scattered_rows_are_gathered_from_a_memory_map(tmp_path, monkeypatch):
     assert calls == [40] and np.array_equal(out["x"].numpy(), x[:40])
 
 
-def test_scattered_rows_use_pread_by_default(tmp_path, monkeypatch):
-    # A mapped file truncated under a reader kills the process with SIGBUS: the map is opt-in.
+def test_mmap_gather_false_maps_no_file(tmp_path, monkeypatch):
     x = np.arange(200 * 6, dtype=np.float32).reshape(200, 6)
     np.save(tmp_path / "a.npy", x)
     calls = _count_gathers(monkeypatch)
     rows = np.sort(np.random.default_rng(0).choice(200, 40, replace=False))
     out = {"x": torch.empty(40, 6)}
-    for src in (RawSource(tmp_path / "a.npy"), RawSource(tmp_path / "a.npy", mmap_gather=False)):
-        assert not src.mmap_gather
-        src.read(rows, out)
-        assert calls == [] and np.array_equal(out["x"].numpy(), x[rows])
+    src = RawSource(tmp_path / "a.npy", mmap_gather=False)
+    src.read(rows, out)
+    assert src.mmap_gather is False and src._maps is None
+    assert calls == [] and np.array_equal(out["x"].numpy(), x[rows])
+
+
+def test_without_the_native_gather_the_default_maps_no_file(tmp_path, monkeypatch):
+    # index_select cannot survive a file cut under it (SIGBUS): only mmap_gather=True takes that risk.
+    import gpufeed.sources._gather as gather
+
+    monkeypatch.setattr(gather, "GATHER", None)
+    np.save(tmp_path / "a.npy", np.zeros((4, 2), np.float32))
+    assert RawSource(tmp_path / "a.npy")._maps is None
+    assert RawSource(tmp_path / "a.npy", mmap_gather=True)._maps is not None
 
 
 def test_the_environment_does_not_turn_the_gather_on(tmp_path):
@@ -201,12 +210,12 @@ def test_the_environment_does_not_turn_the_gather_on(tmp_path):
     code = f"from gpufeed.sources import RawSource; print(RawSource({str(tmp_path / 'x.npy')!r}).mmap_gather)"
     env = {**os.environ, "GPUFEED_MMAP_GATHER": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "None"
 
 
-def test_mmap_gather_takes_true_or_false(tmp_path):
+def test_mmap_gather_takes_true_false_or_none(tmp_path):
     np.save(tmp_path / "x.npy", np.zeros((4, 2), np.float32))
-    with pytest.raises(ValueError, match=r"RawSource: mmap_gather must be True or False, got 'yes'"):
+    with pytest.raises(ValueError, match=r"RawSource: mmap_gather must be True, False or None, got 'yes'"):
         RawSource(tmp_path / "x.npy", mmap_gather="yes")
 
 

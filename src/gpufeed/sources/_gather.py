@@ -1,10 +1,14 @@
 """The memory-map gather: scattered rows copied out of a mapping of each file in one call.
 
+For rows in the page cache, one copy per batch that releases the GIL beats one positional read per row;
+for a cold file it loses, since its rows fault in one page at a time where positional reads have all of a
+batch's reads in flight. So by default (``mmap_gather=None``) a batch is gathered only where a sample of
+its rows lies in the page cache (``gpufeed_resident``, ``mincore``), and only with the native library:
+
 A file cut while it is mapped raises SIGBUS when a page past its new end is touched. The native gather
 (``gpufeed_gather`` in ``_pread_many.c``) catches it in the thread that gathers and raises an OSError
 naming the file, as a positional read does; without the native library the rows are copied with one
-``index_select``, and such a file kills the process. Opt-in either way (``mmap_gather=True``): a cold
-file's rows fault in one page at a time, where positional reads have all of a batch's reads in flight.
+``index_select``, and such a file kills the process: there only ``mmap_gather=True`` maps files.
 """
 
 from __future__ import annotations
@@ -18,11 +22,46 @@ import torch
 
 from ._files import short_read_message
 from ._per_process import _PerProcess
-from ._pread import GATHER
+from ._pread import GATHER, RESIDENT
+
+#: Rows of a batch whose first page is looked up before gathering it (a ``mincore`` call, about 1 us, each).
+RESIDENT_SAMPLE = 8
+
+
+def file_maps(paths: list[str], mmap_gather: bool | None) -> FileMaps | None:
+    """The memory maps a source gathers from, per its ``mmap_gather`` setting: ``True`` always gathers
+    scattered rows, ``None`` gathers those in the page cache where the native gather is built, ``False``
+    (or ``None`` without the native library) maps no file."""
+    if mmap_gather is False or (mmap_gather is None and (GATHER is None or RESIDENT is None)):
+        return None
+    return FileMaps(paths, always=mmap_gather is True)
 
 
 class FileMaps(_PerProcess):
-    """Read-only memory maps of whole files, opened lazily per process, for gathering scattered rows."""
+    """Read-only memory maps of whole files, opened lazily per process, for gathering scattered rows.
+
+    ``always``: gather every scattered read; else only those :meth:`worth_gathering` finds resident.
+    """
+
+    def __init__(self, paths: list[str], always: bool = True) -> None:
+        super().__init__(paths)
+        self.always = always
+
+    def worth_gathering(self, files: int | np.ndarray, offsets: np.ndarray, row_nbytes: int) -> bool:
+        """Whether to gather these rows: always, or where the page cache holds a page of each of a sample
+        of :data:`RESIDENT_SAMPLE` to twice as many of them, spread over the batch (nothing is faulted in
+        to find out)."""
+        if self.always:
+            return True
+        step = max(1, len(offsets) // RESIDENT_SAMPLE)
+        sample = np.ascontiguousarray(offsets[::step], dtype=np.int64)
+        per_file = files[::step] if isinstance(files, np.ndarray) else None
+        for f in [files] if per_file is None else np.unique(per_file).tolist():
+            m = self.get(f)
+            part = sample if per_file is None else np.ascontiguousarray(sample[per_file == f])
+            if m is None or not RESIDENT(m.addr, m.flat.numel(), part.ctypes.data, len(part), row_nbytes):
+                return False
+        return True
 
     def _open(self, path: str) -> _Map | None:
         with open(path, "rb") as fh:

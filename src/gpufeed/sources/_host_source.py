@@ -9,7 +9,7 @@ from typing import Any, Literal
 import torch
 
 from ._files import FileDescriptors, pread_exact, source_label
-from ._gather import FileMaps, gather_rows
+from ._gather import FileMaps, file_maps, gather_rows
 from ._layout import Layout
 from ._out_tensors import check_outs, host_bytes, rows_bytes
 from ._pread import pread_many
@@ -19,10 +19,11 @@ from .base import Field, Rows
 
 class FileSource:
     """What every file source (RawSource, H5Source, GDSSource) shares: its fields, files and length, the
-    opt-in memory-map gather, ``close`` of its descriptors and maps, and the context manager.
+    memory-map gather, ``close`` of its descriptors and maps, and the context manager.
 
-    Invariant: ``_maps`` is ``None`` unless the source was made with ``mmap_gather=True``; only then does
-    a read touch a memory map (see ``read_by_offset``), so by default no file is ever mapped.
+    Invariant: ``_maps`` is ``None`` when the source was made with ``mmap_gather=False``, or with the default
+    ``None`` where the native gather is not built (``_gather.file_maps``): then no read touches a memory
+    map, and no file cut under a read can raise SIGBUS.
     """
 
     _fields: dict[str, Field]
@@ -32,11 +33,13 @@ class FileSource:
     _where: str
     _fds: FileDescriptors
     _maps: FileMaps | None
+    _mmap_gather: bool | None
 
     @property
-    def mmap_gather(self) -> bool:
-        """Whether shuffled batches of short rows are gathered from memory maps (``mmap_gather=``)."""
-        return self._maps is not None
+    def mmap_gather(self) -> bool | None:
+        """The ``mmap_gather`` setting: ``True``, ``False``, or ``None`` (gather batches found in the page
+        cache)."""
+        return self._mmap_gather
 
     def close(self) -> None:
         """Close this process's file descriptors and maps (a later ``read`` reopens them). Idempotent."""
@@ -68,12 +71,13 @@ class HostFileSource(FileSource):
     """What RawSource and H5Source share beyond :class:`FileSource`: opening their files, and positional
     reads into host memory."""
 
-    def _open_files(self, kind: str, paths: list[str], mmap_gather: bool) -> None:
-        """Set the files of the source: their descriptors, and memory maps when ``mmap_gather``."""
+    def _open_files(self, kind: str, paths: list[str], mmap_gather: bool | None) -> None:
+        """Set the files of the source: their descriptors, and memory maps per ``mmap_gather``."""
         self._paths = paths
         self._where = source_label(kind, paths)
         self._fds = FileDescriptors(paths)
-        self._maps = FileMaps(paths) if gather_flag(mmap_gather, kind) else None
+        self._mmap_gather = gather_flag(mmap_gather, kind)
+        self._maps = file_maps(paths, self._mmap_gather)
 
     def read(self, rows: Rows, out: Mapping[str, torch.Tensor]) -> None:
         """Write ``rows`` of every field into ``out[name][: len(rows)]``, in the order of ``rows``.
@@ -104,13 +108,12 @@ def read_by_offset(
     layout: Layout, runs: Runs, t: torch.Tensor, fds: FileDescriptors, maps: FileMaps | None,
     paths: Sequence[str],
 ) -> None:
-    """Read ``runs`` of an all-by-offset layout into host tensor ``t``: with ``maps`` (the opt-in), a
-    memory-map gather for scattered rows (see ``Runs.scattered``); else one positional read per run,
-    straight into ``t``'s memory: all of them in one ``pread_many`` call when the rows are an array (a
-    shuffled batch), one ``os.preadv`` for a single run."""
+    """Read ``runs`` of an all-by-offset layout into host tensor ``t``: a memory-map gather where
+    :func:`try_gather` takes them; else one positional read per run, straight into ``t``'s memory: all of
+    them in one ``pread_many`` call when the rows are an array (a shuffled batch), one ``os.preadv`` for a
+    single run."""
     rn = layout.row_nbytes
-    if maps is not None and runs.scattered(rn):
-        gather_rows(maps, *layout.row_offsets(runs.rows), rn, rows_bytes(t, runs.n, rn))
+    if try_gather(layout, runs, t, maps):
         return
     if runs.rows is not None:
         pread_many(fds, paths, *layout.read_arrays(runs), t.data_ptr(), runs.n * rn)
@@ -120,8 +123,21 @@ def read_by_offset(
         pread_exact(fds.get(f), mv[oo : oo + nb], fo, paths[f])
 
 
-def gather_flag(mmap_gather: object, where: str) -> bool:
-    """The ``mmap_gather`` argument, checked: ``True`` or ``False``."""
-    if not isinstance(mmap_gather, bool):
-        raise ValueError(f"{where}: mmap_gather must be True or False, got {mmap_gather!r}")
+def try_gather(layout: Layout, runs: Runs, t: torch.Tensor, maps: FileMaps | None) -> bool:
+    """Gather ``runs`` into host tensor ``t`` from memory maps, where they are scattered rows (see
+    ``Runs.scattered``) that ``maps`` finds worth gathering; whether it did."""
+    rn = layout.row_nbytes
+    if maps is None or not runs.scattered(rn):
+        return False
+    files, offsets = layout.row_offsets(runs.rows)
+    if not maps.worth_gathering(files, offsets, rn):
+        return False
+    gather_rows(maps, files, offsets, rn, rows_bytes(t, runs.n, rn))
+    return True
+
+
+def gather_flag(mmap_gather: object, where: str) -> bool | None:
+    """The ``mmap_gather`` argument, checked: ``True``, ``False`` or ``None``."""
+    if mmap_gather is not None and not isinstance(mmap_gather, bool):
+        raise ValueError(f"{where}: mmap_gather must be True, False or None, got {mmap_gather!r}")
     return mmap_gather

@@ -18,7 +18,8 @@ class _PerProcess:
     """A lazily filled, per-process list of open handles, one per path, safe to use from many threads.
 
     Invariant: ``_handles`` belongs to process ``_pid``. A forked child starts with an empty list (fork
-    hook, and a pid check as a backstop) and opens its own handles; pickling carries only the paths.
+    hook, and a pid check as a backstop) and opens its own handles; pickling carries the paths and
+    settings, no handle.
     Subclasses define ``_open(path)`` and ``_close(handle)``.
     """
 
@@ -61,10 +62,10 @@ class _PerProcess:
                     pass
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"paths": self.paths}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_pid", "_handles", "_lock")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.paths = state["paths"]
+        self.__dict__.update(state)
         self._reset()
         _LIVE.add(self)
 

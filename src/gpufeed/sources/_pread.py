@@ -24,7 +24,7 @@ import numpy as np
 from ._files import FileDescriptors, pread_exact, short_read_message
 
 LIBRARY = Path(__file__).with_name("_pread_many.so")
-ABI = 3  # gpufeed_pread_abi() of the library this module calls
+ABI = 4  # gpufeed_pread_abi() of the library this module calls
 
 
 def _load() -> Any:
@@ -36,12 +36,13 @@ def _load() -> Any:
         lib.gpufeed_pread_abi.restype = ctypes.c_int64
         if lib.gpufeed_pread_abi() != ABI:
             return None
-        reads, gather = lib.gpufeed_pread_many, lib.gpufeed_gather
+        reads, gather, resident = lib.gpufeed_pread_many, lib.gpufeed_gather, lib.gpufeed_resident
     except (OSError, AttributeError):  # built for another platform, or a stale build
         return None
-    reads.restype = gather.restype = ctypes.c_int64
+    reads.restype = gather.restype = resident.restype = ctypes.c_int64
     reads.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
     gather.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    resident.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     return lib
 
 
@@ -50,6 +51,9 @@ _NATIVE = _LIB.gpufeed_pread_many if _LIB is not None else None
 #: ``gpufeed_gather(base, offsets, n, row_bytes, out)``: rows copied out of a memory map, -1 when whole, else
 #: the row whose page lay past the end of its file (``_gather.py``); None without the library.
 GATHER = _LIB.gpufeed_gather if _LIB is not None else None
+#: ``gpufeed_resident(base, size, offsets, n, row_bytes)``: 1 when the page cache holds the first page of
+#: every row (``mincore``, nothing faulted in), else 0; None without the library.
+RESIDENT = _LIB.gpufeed_resident if _LIB is not None else None
 
 
 def backend() -> str:

@@ -1,5 +1,6 @@
-/* pread_many: many positional reads in one call, for gpufeed's reader threads; and gather: rows copied out of
- * a memory map, a file that shrinks under it raising an error instead of killing the process.
+/* pread_many: many positional reads in one call, for gpufeed's reader threads; gather: rows copied out of a
+ * memory map, a file that shrinks under it raising an error instead of killing the process; and resident:
+ * whether rows of a memory map lie in the page cache, which decides between the two.
  *
  * Loaded with ctypes (sources/_pread.py), which releases the GIL for the whole call: a shuffled batch's
  * thousands of reads cost one GIL handoff per piece instead of one per read. Plain C and POSIX (plus Linux's
@@ -17,6 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -154,6 +156,24 @@ int64_t gpufeed_gather(const char *base, const int64_t *offsets, int64_t n, int6
     return -1;
 }
 
+/* Whether the page cache holds the first page of the row_bytes at base + offsets[i], for every i in 0..n-1,
+ * base being a memory map of size bytes: 1 when it does, else 0 (a row past size, a page the cache lacks, or
+ * mincore failing). One mincore call a row (about a microsecond) and no page touched: nothing faults in. */
+int64_t gpufeed_resident(const char *base, int64_t size, const int64_t *offsets, int64_t n, int64_t row_bytes)
+{
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    for (int64_t i = 0; i < n; i++) {
+        if (offsets[i] < 0 || row_bytes < 1 || offsets[i] + row_bytes > size)
+            return 0;
+        unsigned char in_cache = 0;
+        if (mincore((void *)((uintptr_t)(base + offsets[i]) & ~(page - 1)), page, &in_cache) != 0)
+            return 0;
+        if (!(in_cache & 1))
+            return 0;
+    }
+    return 1;
+}
+
 /* The calling convention above; _pread.py loads a library only when this matches what it was written for,
  * so a library left from an older build is never called with other arguments. */
-int64_t gpufeed_pread_abi(void) { return 3; }
+int64_t gpufeed_pread_abi(void) { return 4; }

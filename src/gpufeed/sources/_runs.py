@@ -50,8 +50,8 @@ class Runs:
         return self._stops
 
     def scattered(self, row_nbytes: int) -> bool:
-        """Many short runs (a shuffled batch): a source made with ``mmap_gather=True`` gathers these rows
-        from a memory map rather than issuing one pread per run.
+        """Many short runs (a shuffled batch): a source may gather these rows from a memory map rather
+        than issue one pread per run (``_gather.py`` says when).
 
         Each ``pread`` takes and drops the GIL; thousands of them from several threads spend more time
         handing the GIL over than copying, where one ``index_select`` per read copies every row with the

@@ -12,8 +12,8 @@ import torch
 from gpufeed._extras import require
 
 from ._files import FileDescriptors, PathLike, as_paths, pread_exact, short_read_message, source_label
-from ._gather import FileMaps
-from ._host_source import FileSource, gather_flag, read_by_offset
+from ._gather import file_maps
+from ._host_source import FileSource, gather_flag, try_gather
 from ._layout import Layout
 from ._out_tensors import check_outs, device_bytes, host_bytes
 from ._per_process import _PerProcess
@@ -66,16 +66,15 @@ class GDSSource(FileSource):
         num_threads: kvikio's thread pool size (a process-wide kvikio setting). ``None`` keeps the
             current one unless it is 1 (kvikio's default), which is raised to ``min(16, cpu count)``.
         task_size: bytes per kvikio task (``None``: kvikio's default).
-        mmap_gather: in ``"compat"`` mode, gather shuffled batches from memory maps as ``RawSource`` does
-            (for files in the page cache). ``None``: the setting
-            of the source given (off for a source built from paths). ``"gds"`` mode reads into device
-            memory, where no gather applies: ``mode="gds"`` with the gather on raises ValueError, and
-            ``mode="auto"`` that finds GPUDirect Storage reads without it.
+        mmap_gather: in ``"compat"`` mode, how shuffled batches are read, as for ``RawSource``. ``None``:
+            the setting of the source given (for a source built from paths, its default: rows in the
+            page cache gathered from memory maps). ``"gds"`` mode reads into device memory, where no
+            gather applies: ``mode="gds"`` with ``mmap_gather=True`` raises ValueError.
 
     Raises:
         ImportError: kvikio is not installed (``pip install 'gpufeed[gds]'``).
         ValueError: a field cannot be read by byte offset (names it, the file and the fix), or
-            ``mmap_gather`` is on with ``mode="gds"``.
+            ``mmap_gather=True`` with ``mode="gds"``.
         RuntimeError: ``mode="gds"`` where GDS is unavailable.
 
     Example:
@@ -104,9 +103,9 @@ class GDSSource(FileSource):
         inner = _inner(source, args, kwargs)
         gather = inner.mmap_gather if mmap_gather is None else mmap_gather
         self._mmap_gather = gather_flag(gather, "GDSSource")
-        if self._mmap_gather and mode == "gds":
+        if self._mmap_gather is True and mode == "gds":
             raise ValueError("GDSSource: mmap_gather applies to reads into host memory (compat mode) and "
-                             "mode='gds' reads into device memory; pass mode='compat', or leave it off")
+                             "mode='gds' reads into device memory; pass mode='compat', or leave it at None")
         self._layouts: dict[str, Layout] = dict(inner._layouts)
         self._paths: list[str] = list(inner._paths)
         _check_offsets(inner, self._layouts, self._paths)
@@ -139,7 +138,7 @@ class GDSSource(FileSource):
         self._small = int(self._task_size or defaults.get("task_size")) if self._mode == "compat" else 0
         self._files = _CuFiles(self._paths)
         self._fds = FileDescriptors(self._paths)
-        self._maps = FileMaps(self._paths) if self._mmap_gather and self._mode == "compat" else None
+        self._maps = file_maps(self._paths, self._mmap_gather) if self._mode == "compat" else None
 
     @property
     def mode(self) -> Literal["gds", "compat"]:
@@ -186,8 +185,7 @@ class GDSSource(FileSource):
             for name, layout in self._layouts.items():
                 nbytes = runs.n * layout.row_nbytes
                 t = bufs[name]
-                if self._maps is not None and runs.scattered(layout.row_nbytes):  # as RawSource does
-                    read_by_offset(layout, runs, t, self._fds, self._maps, paths)
+                if try_gather(layout, runs, t, self._maps):  # as RawSource does
                     continue
                 if device_type == "cpu" and runs.rows is not None:  # a shuffled batch: many short runs
                     self._read_scattered(layout, runs, t, pending)

@@ -93,9 +93,9 @@ class H5Source(HostFileSource):
             to other work but is faster only with many chunks per batch (docs/design.md has the figures). A
             missing nvCOMP or CUDA warns once and decodes on the CPU. With GPU decoding the source reads to
             the device: its other fields are read into pinned memory and copied by the read itself.
-        mmap_gather: gather shuffled batches from memory maps, as for ``RawSource`` (for files in the
-            page cache). It applies to the fields read by byte
-            offset in every file; the others (gzip chunks decoded here, h5py) keep their path. ValueError
+        mmap_gather: how shuffled batches are read, as for ``RawSource`` (by default rows in the page
+            cache are gathered from memory maps). It applies to the fields read by byte offset in every
+            file; the others (gzip chunks decoded here, h5py) keep their path. ``True`` raises ValueError
             when no field is read by byte offset (``describe()`` says how each one is read).
 
     Raises:
@@ -119,7 +119,7 @@ class H5Source(HostFileSource):
         fields: Sequence[str] | Mapping[str, str] | None = None,
         *,
         use_offsets: bool = True,
-        mmap_gather: bool = False,
+        mmap_gather: bool | None = None,
         decode: str = "auto",
     ) -> None:
         h5py = require("h5py", "H5Source")
@@ -145,7 +145,7 @@ class H5Source(HostFileSource):
         self._len = len(next(iter(self._layouts.values())))
         if mmap_gather is True and not any(lay.by_offset for lay in self._layouts.values()):
             raise ValueError("H5Source: mmap_gather=True applies to fields read by byte offset, and no field "
-                             "here is (describe() says how each is read); leave mmap_gather off")
+                             "here is (describe() says how each is read); leave mmap_gather at None")
         self._open_files("H5Source", self._paths, mmap_gather)
         self._h5 = _H5Files(self._paths)
         self._tables = {(i, ff[n].extents[0].dataset): ff[n].table

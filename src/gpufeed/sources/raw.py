@@ -44,12 +44,14 @@ class RawSource(HostFileSource):
             With a manifest, the fields to load, as for ``H5Source``: a list of names, or
             ``{new name: field}``; default every field.
         offset: bytes to skip at the start of each raw file (a header); ignored for ``.npy`` files.
-        mmap_gather: gather the rows of a shuffled batch (many short runs) from a read-only memory map of
-            each file, in one copy that releases the GIL, instead of one ``os.preadv`` per run; runs of
-            consecutive rows always use ``os.preadv``. Much faster for small rows in the page cache (see
-            the design notes), slower for a cold file (its pages fault in one at a time). A file cut while
-            mapped raises the OSError naming the file that a short read does (with the native reader;
-            without it, SIGBUS kills the process).
+        mmap_gather: how a shuffled batch (many short runs) is read. ``None`` (default): rows found in
+            the page cache are gathered from a read-only memory map of each file, in one copy that
+            releases the GIL, others with one positional read per run, all in flight at once; a sample of
+            each batch's rows decides (``mincore``), and only where the native library is built, so that
+            a file cut while mapped raises the OSError naming it that a short read does. ``True``: always
+            gather (a cold file's pages then fault in one at a time; without the native library a cut
+            file kills the process with SIGBUS). ``False``: never map a file. Runs of consecutive rows
+            are always read with ``os.preadv``.
 
     Example:
         >>> np.save("x.npy", np.zeros((100, 3, 32, 32), np.uint8))      # doctest: +SKIP
@@ -72,7 +74,7 @@ class RawSource(HostFileSource):
         fields: Mapping[str, FieldSpec] | Sequence[str] | None = None,
         *,
         offset: int = 0,
-        mmap_gather: bool = False,
+        mmap_gather: bool | None = None,
     ) -> None:
         if paths is not None and _is_manifest(paths):
             if dtype is not None or shape is not None or name is not None:
@@ -100,7 +102,7 @@ class RawSource(HostFileSource):
         self._build([_field_files(str(n), spec, defaults) for n, spec in fields.items()], mmap_gather)
 
     @classmethod
-    def from_manifest(cls, path: PathLike, *, mmap_gather: bool = False) -> RawSource:
+    def from_manifest(cls, path: PathLike, *, mmap_gather: bool | None = None) -> RawSource:
         """Open the files a gpufeed manifest describes (``manifest.json``, or the directory holding it);
         ``mmap_gather`` as for the constructor.
 
@@ -115,7 +117,9 @@ class RawSource(HostFileSource):
         self._build(_from_manifest(path), mmap_gather)
         return self
 
-    def _build(self, per_field: list[tuple[Field, list[tuple[str, int, int]]]], mmap_gather: bool) -> None:
+    def _build(
+        self, per_field: list[tuple[Field, list[tuple[str, int, int]]]], mmap_gather: bool | None
+    ) -> None:
         paths: list[str] = []
         index: dict[str, int] = {}
         layouts: dict[str, Layout] = {}
