@@ -586,8 +586,8 @@ def measure(
             if cache == "cold":
                 getattr(make, "release", lambda: None)()  # mapped pages stay cached through a drop
                 row["cold_method"] = drop_cache(files, system=not cfg.smoke)
-                cached = cached_fraction(files)
-                row["cached_before"] = None if cached is None else max(cached, row.get("cached_before") or 0.0)
+                was, cached = row.get("cached_before"), cached_fraction(files)
+                row["cached_before"] = cached if cached is None or was is None else max(was, cached)
             t, nbytes, _ = epoch(make, cfg, step)
             times.append(t)
         row["seconds"] = statistics.median(times)
