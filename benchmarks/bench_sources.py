@@ -40,8 +40,8 @@ by the sequential ``pread16_ceiling`` (warm) and by ``pread16_random`` (cold). C
 after ``--cold-shuffled-gib`` (every method reads the same first batches). ``gpufeed_h5`` /
 ``gpufeed_h5_chunked`` read the contiguous and the chunked dataset at the dataset's own row size;
 ``gpufeed_raw`` reads as a source does by default (rows the page cache holds gathered from a memory map,
-others by positional reads); ``gpufeed_raw_pread`` (``mmap_gather=False``, warm only) always reads by
-position, ``gpufeed_raw_mmap`` (``mmap_gather=True``, warm only) always gathers.
+others by positional reads); ``gpufeed_raw_pread`` (``mmap_gather=False``) always reads by position,
+``gpufeed_raw_mmap`` (``mmap_gather=True``, warm only) always gathers.
 
 On CUDA, the ``compute`` workload adds a matmul loop on the default stream that takes about 1.2x the
 method's own warm time per batch and reports ``step_over_compute`` (1.0 = reading hidden behind compute).
@@ -706,9 +706,9 @@ def shuffled_rows(cfg: Config, data: Data, add: Callable[..., None], cache: str,
         ceiling = RandomPread16(cfg, data.npy, npy_offset, rb, limit)
         add(w, "pread16_random", ceiling, cache=cache, check=False)["reader"] = ceiling.reader
         ceiling.close()
-        makers: dict[str, Callable[[], Any] | None] = {"gpufeed_raw": raw}
+        makers: dict[str, Callable[[], Any] | None] = {
+            "gpufeed_raw": raw, "gpufeed_raw_pread": lambda raw=raw: raw(gather=False)}
         if cache == "warm":
-            makers["gpufeed_raw_pread"] = lambda raw=raw: raw(gather=False)
             makers["gpufeed_raw_mmap"] = lambda raw=raw: raw(gather=True)
         if rb == cfg.sample_bytes:
             makers["gpufeed_h5"] = lambda: H5Source(data.h5, fields=["contiguous"])
