@@ -37,7 +37,8 @@ warm and cold, each beside ``pread16_random``: ``--threads`` threads reading the
 shuffled batches (one ``pread`` per run, issued from C with the GIL released where gpufeed's native reader
 was built; its ``reader`` says which), into pinned buffers copied as for the ceiling. Their targets divide
 by the sequential ``pread16_ceiling`` (warm) and by ``pread16_random`` (cold). Cold shuffled epochs stop
-after ``--cold-shuffled-gib`` (every method reads the same first batches). ``gpufeed_h5`` /
+after ``--cold-shuffled-gib``: every method reads the same first batches, and gpufeed's epoch plan ends
+there (a prefetcher that broke out of a longer epoch would have read ahead past them). ``gpufeed_h5`` /
 ``gpufeed_h5_chunked`` read the contiguous and the chunked dataset at the dataset's own row size;
 ``gpufeed_raw`` reads as a source does by default (rows the page cache holds gathered from a memory map,
 others by positional reads); ``gpufeed_raw_pread`` (``mmap_gather=False``) always reads by position,
@@ -499,6 +500,17 @@ def h5py_read_direct_pinned(cfg: Config, path: Path, name: str, rows: int) -> Ba
     return run
 
 
+class FirstBatches(SourceLoader):
+    """A ``SourceLoader`` whose epochs end after their first ``limit`` batches."""
+
+    def __init__(self, source: Any, batch_size: int, limit: int | None, **kwargs: Any) -> None:
+        super().__init__(source, batch_size, **kwargs)
+        self.limit = limit
+
+    def plan(self, epoch: int | None = None) -> list[Any]:
+        return super().plan(epoch)[: self.limit]
+
+
 class Gpufeed:
     """``CudaPrefetcher`` over a source, made once and iterated once per epoch."""
 
@@ -509,15 +521,13 @@ class Gpufeed:
         self.name = next(iter(source.fields))
         row_bytes = source.fields[self.name].sample_nbytes
         batch_rows = max(1, cfg.batch_rows * cfg.sample_bytes // row_bytes)  # the same bytes a batch
-        self.limit = None if limit_bytes is None else max(1, limit_bytes // (batch_rows * row_bytes))
-        self.pf = CudaPrefetcher(SourceLoader(source, batch_size=batch_rows, shuffle=shuffle),
-                                 device=cfg.device, depth=3)
+        limit = None if limit_bytes is None else max(1, limit_bytes // (batch_rows * row_bytes))
+        self.pf = CudaPrefetcher(FirstBatches(source, batch_rows, limit, shuffle=shuffle), device=cfg.device,
+                                 depth=3)
 
     def __call__(self) -> Iterator[torch.Tensor]:
-        for i, batch in enumerate(self.pf):  # (a new iteration starts the next epoch, as in training)
+        for batch in self.pf:  # (a new iteration starts the next epoch, as in training)
             yield batch[self.name]
-            if i + 1 == self.limit:
-                break
 
     def release(self) -> None:
         """Close (and unmap) the source's files until its next read: pages a memory map holds stay in the
