@@ -1,17 +1,17 @@
 """A file truncated while shuffled batches are read kills the process with SIGBUS (no exception).
 
-For scattered rows (a shuffled batch: ``Runs.scattered``) RawSource/H5Source/GDSSource gather rows from
-a memory map of the file (``sources/_gather.py``: ``_gather_file``; since the fix only when opted in with
-``mmap_gather=True``). It checks the file's size and then runs
-``torch.index_select`` over the mapping; if the file shrinks between the check and the copy (or during the
-copy), touching a page past the new end raises SIGBUS and the whole training process dies: no OSError,
+For scattered rows (a shuffled batch: ``Runs.scattered``) RawSource/H5Source/GDSSource gathered rows from
+a memory map of the file (``sources/_gather.py``: ``_gather_file``). It checked the file's size and then
+ran ``torch.index_select`` over the mapping; if the file shrinks between the check and the copy (or during
+the copy), touching a page past the new end raises SIGBUS and the whole training process dies: no OSError,
 no traceback, no cleanup. The ``pread`` path (contiguous batches) reports the same event as
 ``OSError: short read from <file> ...``, which is what DESIGN.md promises for truncated files.
 
-The fix: by default scattered rows are read with positional reads (a native batched pread that releases
-the GIL once for all runs); the opt-in gather copies rows in native code (``gpufeed_gather``) that catches
-the SIGBUS in the gathering thread and reports the row, which becomes the same OSError (there is no way to
-do that from Python, hence the native library; without it the opt-in gather keeps the risk).
+The fix: the gather copies rows in native code (``gpufeed_gather``) that catches the SIGBUS in the
+gathering thread and reports the row, which becomes the same OSError (there is no way to do that from
+Python, hence the native library). By default a source gathers only where that library is built (and only
+rows in the page cache, as here: the file was just written); without it, only ``mmap_gather=True`` maps
+files, and keeps the risk.
 
 Each trial runs in a forked child: two reader threads read shuffled rows while the main thread truncates
 the file after a random delay; 10 trials with the default settings, then 10 with the memory-map gather
@@ -33,7 +33,7 @@ import torch
 from gpufeed.sources import RawSource, _pread
 
 
-def child(path: str, n: int, row: int, gather: bool) -> None:
+def child(path: str, n: int, row: int, gather: bool | None) -> None:
     src = RawSource(path, mmap_gather=gather)
 
     def reader(seed: int) -> None:
@@ -55,7 +55,7 @@ def child(path: str, n: int, row: int, gather: bool) -> None:
     os._exit(0)
 
 
-def trials(path: str, x: np.ndarray, gather: bool) -> dict[str, int]:
+def trials(path: str, x: np.ndarray, gather: bool | None) -> dict[str, int]:
     n, row = x.shape
     outcomes: dict[str, int] = {}
     for _ in range(10):
@@ -72,7 +72,7 @@ def trials(path: str, x: np.ndarray, gather: bool) -> dict[str, int]:
 def main() -> int:
     x = np.random.default_rng(0).integers(0, 256, (20000, 4096), dtype=np.uint8)
     path = os.path.join(tempfile.mkdtemp(), "x.npy")
-    default = trials(path, x, gather=False)
+    default = trials(path, x, gather=None)
     print(f"default settings, 10 trials: {default}")
     gathered = trials(path, x, gather=True)
     print(f"memory-map gather forced on, 10 trials: {gathered}")
