@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 
 from conftest import wait_no_threads
 from gpufeed import CudaPrefetcher, SourceLoader
-from gpufeed.sources import plan_batches
+from gpufeed.sources import _gather, _pread, plan_batches
 
 BS = 16  # 240 rows: 15 batches an epoch
 
@@ -204,9 +204,18 @@ def test_source_file_truncated_between_shuffled_batches(kind, gather, tmp_path):
     plan = plan_batches(disk.n, BS, shuffle=True)
 
     seen = tmp_path / "child-saw.txt"  # what the child saw, for the failure message
+    gathers = tmp_path / "child-gathers.txt"
 
     def child():
         got = []
+        real = _gather._gather_file
+
+        def counted(*args):
+            with open(gathers, "a") as f:
+                f.write("1")
+            return real(*args)
+
+        _gather._gather_file = counted  # (this forked child's copy of the module)
         with CudaPrefetcher(SourceLoader(disk.open(mmap_gather=gather), batch_size=BS, shuffle=True),
                             device="cpu", depth=2) as pf:
             it = iter(pf)
@@ -229,6 +238,11 @@ def test_source_file_truncated_between_shuffled_batches(kind, gather, tmp_path):
     status = _child_status(child)
     saw = seen.read_text() if seen.exists() else "nothing written"
     assert status == 3, f"child ended with {status} (3: the OSError naming the file); it saw: {saw}"
+    gathered = gathers.exists()
+    if gather is False or (gather is None and _pread.GATHER is None):
+        assert not gathered
+    else:
+        assert gathered, "the rows were never gathered from a memory map"
     checked(3)
     note("OSError 'short read from <file>' after exact batches (in a forked child)")
 

@@ -1,5 +1,6 @@
 """The native memory-map gather: a file cut under its mapping raises an OSError, the process lives on."""
 
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -110,3 +111,68 @@ def test_resident_reads_the_page_cache_without_faulting_pages_in(tmp_path):
     # a row in the hole is not resident, and looking does not make it so;
     # nor is a row past the end of the mapping, at a negative offset, or of no bytes
     assert p.stdout.split("\n")[:2] == ["1 0 0 0", "0 0 0"]
+
+
+def test_handlers_installed_over_each_other_report_a_fault_once(tmp_path):
+    p = _run("""
+        faulthandler.disable()
+        gather([0])  # gpufeed's handler is installed now, over the default one
+        faulthandler.enable()  # installed over gpufeed's, which it calls after its report
+        gather([0])  # gpufeed's again, over faulthandler's: each would hand a fault to the other
+        os.truncate(path, 4096)
+        print(int(view[20 * 4096]))  # not a gather
+    """, tmp_path / "rows.bin")
+    assert p.returncode != 0 and p.stderr.count("Fatal Python error: Bus error") == 1, p.stderr[-2000:]
+
+
+def _scattered(tmp_path, monkeypatch):
+    """A file of 64 rows in the page cache, scattered rows of it, and a counter of the gathers."""
+    rows = np.arange(64 * ROW, dtype=np.uint8).reshape(64, ROW) % 251
+    np.save(tmp_path / "x.npy", rows)
+    gathered = []
+    real = _gather._gather_file
+    monkeypatch.setattr(_gather, "_gather_file", lambda *a: (gathered.append(len(a[2])), real(*a))[1])
+    picked = np.array([5, 1, 60, 33, 17, 9, 41, 2, 55, 28])
+    return rows, picked, gathered
+
+
+def _read(src, picked):
+    out = {"x": torch.empty(len(picked), ROW, dtype=torch.uint8)}
+    src.read(picked, out)
+    return out["x"]
+
+
+def test_by_default_a_file_that_cannot_be_mapped_is_read_by_position(tmp_path, monkeypatch):
+    rows, picked, gathered = _scattered(tmp_path, monkeypatch)
+
+    def no_map(self, path):
+        raise OSError(12, "Cannot allocate memory")  # as under an address-space limit, or out of descriptors
+
+    monkeypatch.setattr(_gather.FileMaps, "_open", no_map)
+    assert torch.equal(_read(RawSource(tmp_path / "x.npy"), picked), torch.from_numpy(rows[picked]))
+    assert gathered == []
+    with pytest.raises(OSError, match="Cannot allocate memory"):  # asked for, the gather says why not
+        _read(RawSource(tmp_path / "x.npy", mmap_gather=True), picked)
+
+
+def test_by_default_no_sigbus_handler_means_positional_reads(tmp_path, monkeypatch):
+    rows, picked, gathered = _scattered(tmp_path, monkeypatch)
+    monkeypatch.setattr(_gather, "GATHER", lambda *a: -2)  # sigaction failed: nothing copied
+    selects = []
+    real = torch.index_select
+    monkeypatch.setattr(torch, "index_select", lambda *a, **k: (selects.append(1), real(*a, **k))[1])
+    assert torch.equal(_read(RawSource(tmp_path / "x.npy"), picked), torch.from_numpy(rows[picked]))
+    assert gathered == [10] and selects == []  # tried, declined, read by position: never unprotected
+    assert torch.equal(_read(RawSource(tmp_path / "x.npy", mmap_gather=True), picked),
+                       torch.from_numpy(rows[picked]))
+    assert selects == [1]  # asked for: gathered with torch, unprotected
+
+
+def test_a_source_unpickled_without_the_native_library_reads_by_position(tmp_path, monkeypatch):
+    rows, picked, gathered = _scattered(tmp_path, monkeypatch)
+    src = pickle.loads(pickle.dumps(RawSource(tmp_path / "x.npy")))
+    assert src._maps is not None and not src._maps.always  # the setting travels with the source
+    monkeypatch.setattr(_gather, "GATHER", None)  # ... to a process where the library did not load
+    monkeypatch.setattr(_gather, "RESIDENT", None)
+    assert torch.equal(_read(src, picked), torch.from_numpy(rows[picked]))
+    assert gathered == []

@@ -50,7 +50,7 @@ class FileDescriptors(_PerProcess):
         except OSError as exc:
             if exc.errno in (errno.EMFILE, errno.ENFILE):
                 raise OSError(exc.errno, f"cannot open {path}: too many open files (this process keeps one "
-                              "descriptor per source file); raise the limit (ulimit -n, or "
+                              "or two descriptors per source file); raise the limit (ulimit -n, or "
                               "resource.setrlimit(RLIMIT_NOFILE)) or concatenate the files "
                               "(gpufeed convert)") from exc
             raise

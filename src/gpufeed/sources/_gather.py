@@ -37,27 +37,42 @@ def file_maps(paths: list[str], mmap_gather: bool | None) -> FileMaps | None:
     return FileMaps(paths, always=mmap_gather is True)
 
 
+class NotGathered(Exception):
+    """A read the default gather leaves to positional reads after all: the native gather could not set its
+    SIGBUS handler."""
+
+
 class FileMaps(_PerProcess):
     """Read-only memory maps of whole files, opened lazily per process, for gathering scattered rows.
 
-    ``always``: gather every scattered read; else only those :meth:`worth_gathering` finds resident.
+    ``always``: gather every scattered read; else only those :meth:`worth_gathering` finds resident, and
+    only with the native gather, so that no default read can end in SIGBUS or fail where a positional
+    read would not (a file that cannot be mapped is read by position).
     """
+
+    always = True  # (a source pickled before the default gather existed mapped files only when asked to)
 
     def __init__(self, paths: list[str], always: bool = True) -> None:
         super().__init__(paths)
         self.always = always
 
     def worth_gathering(self, files: int | np.ndarray, offsets: np.ndarray, row_nbytes: int) -> bool:
-        """Whether to gather these rows: always, or where the page cache holds a page of each of a sample
-        of :data:`RESIDENT_SAMPLE` to twice as many of them, spread over the batch (nothing is faulted in
-        to find out)."""
+        """Whether to gather these rows: always, or where the native gather is loaded, every file of the
+        read can be mapped, and the page cache holds a page of each of a sample of :data:`RESIDENT_SAMPLE`
+        to twice as many of the rows, spread over the read (nothing is faulted in to find out)."""
         if self.always:
             return True
+        if GATHER is None or RESIDENT is None:  # unpickled in a process without the native library
+            return False
         step = max(1, len(offsets) // RESIDENT_SAMPLE)
         sample = np.ascontiguousarray(offsets[::step], dtype=np.int64)
         per_file = files[::step] if isinstance(files, np.ndarray) else None
+        try:  # map every file now: one that cannot be (address space, descriptors) is read by position
+            maps = {f: self.get(f) for f in ([files] if per_file is None else np.unique(files).tolist())}
+        except OSError:
+            return False
         for f in [files] if per_file is None else np.unique(per_file).tolist():
-            m = self.get(f)
+            m = maps[f]
             part = sample if per_file is None else np.ascontiguousarray(sample[per_file == f])
             if m is None or not RESIDENT(m.addr, m.flat.numel(), part.ctypes.data, len(part), row_nbytes):
                 return False
@@ -123,6 +138,8 @@ def _gather_file(maps: FileMaps, i: int, offsets: np.ndarray, row_nbytes: int, o
     bad = -2  # -2: not gathered natively (no library, a strided ``out``, or no SIGBUS handler)
     if GATHER is not None and out.is_contiguous():
         bad = GATHER(m.addr, offsets.ctypes.data, len(offsets), row_nbytes, out.data_ptr())
+    if bad == -2 and not maps.always:  # no SIGBUS handler: the default reads these rows by position
+        raise NotGathered(maps.paths[i])
     if bad == -2:
         torch.index_select(m.rows(row_nbytes), 0, torch.from_numpy(offsets), out=out)
     elif bad >= 0:  # the file was cut while the rows were copied

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import torch
 
 from ._files import FileDescriptors, pread_exact, source_label
-from ._gather import FileMaps, file_maps, gather_rows
+from ._gather import FileMaps, NotGathered, file_maps, gather_rows
 from ._layout import Layout
 from ._out_tensors import check_outs, host_bytes, rows_bytes
 from ._pread import pread_many
@@ -33,7 +33,7 @@ class FileSource:
     _where: str
     _fds: FileDescriptors
     _maps: FileMaps | None
-    _mmap_gather: bool | None
+    _mmap_gather: bool | None = None  # (a source pickled before the setting existed has none)
 
     @property
     def mmap_gather(self) -> bool | None:
@@ -132,7 +132,10 @@ def try_gather(layout: Layout, runs: Runs, t: torch.Tensor, maps: FileMaps | Non
     files, offsets = layout.row_offsets(runs.rows)
     if not maps.worth_gathering(files, offsets, rn):
         return False
-    gather_rows(maps, files, offsets, rn, rows_bytes(t, runs.n, rn))
+    try:
+        gather_rows(maps, files, offsets, rn, rows_bytes(t, runs.n, rn))
+    except NotGathered:
+        return False
     return True
 
 

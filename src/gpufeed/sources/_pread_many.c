@@ -12,7 +12,6 @@
 #define _FILE_OFFSET_BITS 64 /* 64-bit off_t on 32-bit platforms too: files past 2 GiB */
 #include <errno.h>
 #include <fcntl.h>
-#include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stdint.h>
@@ -94,46 +93,65 @@ int64_t gpufeed_pread_many(const int32_t *fds, const int64_t *offsets, const int
 }
 
 /* A page of a mapping past the end of its file raises SIGBUS when touched (the file was cut after it was
- * mapped). While a thread gathers, its SIGBUS jumps back into gpufeed_gather, which reports the row; any
- * other SIGBUS goes to the handler that was there before (the default one ends the process, as without
- * gpufeed). `gathering` is this thread's way back; volatile, since only the handler reads it, so the
- * stores around the copy stay. */
+ * mapped). While a thread gathers, its SIGBUS jumps back into gpufeed_gather, which reports the row. Any other
+ * fault is handed back: the handler that was there before ours is restored and the access, which faults
+ * again on return, reaches it (the default one ends the process, as without gpufeed). A handler that passes
+ * it back to ours (one installed after ours, such as faulthandler enabled later) gets the default action the
+ * second time, so the two never pass it back and forth. A SIGBUS sent by a process, which no access repeats,
+ * goes to that handler directly. `gathering` is this thread's way back; volatile, since only the handler
+ * reads it, so the stores around the copy stay. No lock: two threads installing at once install the same. */
 static __thread sigjmp_buf *volatile gathering;
-static struct sigaction before; /* the SIGBUS handler ours passes other faults to */
-static pthread_mutex_t installing = PTHREAD_MUTEX_INITIALIZER;
+static struct sigaction before; /* the SIGBUS handler ours hands other faults to */
+static volatile sig_atomic_t handed_back; /* a fault outside a gather went back to `before` already */
+
+static volatile sig_atomic_t passing; /* a sent SIGBUS is in the handler that was there before ours */
 
 static void on_sigbus(int sig, siginfo_t *info, void *context)
 {
     sigjmp_buf *back = gathering;
     if (back != NULL)
         siglongjmp(*back, 1);
-    if (before.sa_handler == SIG_DFL || before.sa_handler == SIG_IGN) /* (a union with sa_sigaction) */
-        signal(SIGBUS, SIG_DFL); /* the access faults again, and the default action ends the process */
-    else if (before.sa_flags & SA_SIGINFO)
+    if (info != NULL && info->si_code > 0) { /* a fault: hand it back, once */
+        if (handed_back) {
+            signal(SIGBUS, SIG_DFL);
+        } else {
+            handed_back = 1;
+            sigaction(SIGBUS, &before, NULL);
+        }
+        return;
+    }
+    /* Sent by a process (raise, kill): no access repeats it, so call that handler here. */
+    if (handed_back || passing || before.sa_handler == SIG_DFL) { /* (a union with sa_sigaction) */
+        signal(SIGBUS, SIG_DFL);
+        raise(SIGBUS);
+        return;
+    }
+    if (before.sa_handler == SIG_IGN)
+        return;
+    passing = 1;
+    if (before.sa_flags & SA_SIGINFO)
         before.sa_sigaction(sig, info, context);
     else
         before.sa_handler(sig);
+    passing = 0;
 }
 
 /* Make on_sigbus the SIGBUS handler, unless it is already (a library may have set its own since). */
 static int own_sigbus(void)
 {
-    int ok = 0;
-    pthread_mutex_lock(&installing);
     struct sigaction now;
-    if (sigaction(SIGBUS, NULL, &now) != 0) {
-        ok = -1;
-    } else if (!((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_sigbus)) {
-        struct sigaction ours;
-        memset(&ours, 0, sizeof ours);
-        ours.sa_sigaction = on_sigbus;
-        ours.sa_flags = SA_SIGINFO | SA_NODEFER;
-        sigemptyset(&ours.sa_mask);
-        before = now;
-        ok = sigaction(SIGBUS, &ours, NULL);
-    }
-    pthread_mutex_unlock(&installing);
-    return ok;
+    if (sigaction(SIGBUS, NULL, &now) != 0)
+        return -1;
+    if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_sigbus)
+        return 0;
+    struct sigaction ours;
+    memset(&ours, 0, sizeof ours);
+    ours.sa_sigaction = on_sigbus;
+    ours.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&ours.sa_mask);
+    before = now;
+    handed_back = 0;
+    return sigaction(SIGBUS, &ours, NULL);
 }
 
 /* Copy the row_bytes at base + offsets[i] to out + i * row_bytes, for i in 0..n-1, base being a read-only

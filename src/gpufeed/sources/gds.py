@@ -69,7 +69,8 @@ class GDSSource(FileSource):
         mmap_gather: in ``"compat"`` mode, how shuffled batches are read, as for ``RawSource``. ``None``:
             the setting of the source given (for a source built from paths, its default: rows in the
             page cache gathered from memory maps). ``"gds"`` mode reads into device memory, where no
-            gather applies: ``mode="gds"`` with ``mmap_gather=True`` raises ValueError.
+            gather applies: ``mode="gds"`` with ``mmap_gather=True`` raises ValueError, and ``mode="auto"``
+            that finds GPUDirect Storage reads without it.
 
     Raises:
         ImportError: kvikio is not installed (``pip install 'gpufeed[gds]'``).

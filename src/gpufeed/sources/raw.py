@@ -28,8 +28,10 @@ class RawSource(HostFileSource):
     Any host tensor works as ``out`` (the prefetcher passes pinned ones).
 
     Thread and process safety: reads are positional, so one file descriptor per file serves every
-    thread. Descriptors are opened on first use in each process: a forked child (DataLoader worker) or an
-    unpickled copy opens its own. ``close()`` must not run while a ``read`` is in flight.
+    thread (a file mapped for gathering takes a second one on Python 3.12 and older, where ``mmap``
+    duplicates it; a file that cannot be mapped is read by position). Descriptors and maps are opened on
+    first use in each process: a forked child (DataLoader worker) or an unpickled copy opens its own.
+    ``close()`` must not run while a ``read`` is in flight.
 
     Args:
         paths: a ``.npy`` file, a raw binary file, a manifest (``manifest.json`` or the directory holding
