@@ -270,10 +270,11 @@ def render(r: dict[str, Any]) -> str:
         f"{pc['threaded_GBps']:.1f} GB/s with {pc['threads']} threads "
         f"({format_bytes(pc['bytes'])} file in {pc['where']})")
     if pc["shuffled_rows"] == "native":
-        row("shuffled reads", "native: each reader's preads in one C call (GIL released once)")
+        row("shuffled reads", "native: rows in the page cache gathered from memory maps, others read by "
+            "each reader in one C call (GIL released once)")
     else:
         why = "GPUFEED_NATIVE_PREAD=0" if _native_off() else "the native reader was not built at install"
-        row("shuffled reads", f"Python os.preadv loop ({why})")
+        row("shuffled reads", f"Python os.preadv loop, no memory-map gather by default ({why})")
     threads = r["staging_copy"]["threads"]
     row("staging copy", f"torch's parallel copy, {threads} threads (torch.get_num_threads())")
     row("CPUs", r["cpu_count"])
