@@ -65,18 +65,24 @@ class FileMaps(_PerProcess):
         if GATHER is None or RESIDENT is None:  # unpickled in a process without the native library
             return False
         step = max(1, len(offsets) // RESIDENT_SAMPLE)
-        sample = np.ascontiguousarray(offsets[::step], dtype=np.int64)
-        per_file = files[::step] if isinstance(files, np.ndarray) else None
-        try:  # map every file now: one that cannot be (address space, descriptors) is read by position
-            maps = {f: self.get(f) for f in ([files] if per_file is None else np.unique(files).tolist())}
-        except OSError:
+        sample = offsets[::step]
+        if not isinstance(files, np.ndarray):
+            return self._resident(files, sample, row_nbytes)
+        sampled = files[::step]
+        return all(self._resident(f, sample[sampled == f], row_nbytes) for f in np.unique(files).tolist())
+
+    def _resident(self, i: int, offsets: np.ndarray, row_nbytes: int) -> bool:
+        """Whether file ``i`` can be mapped and the page cache holds the first page of each of ``offsets``."""
+        try:
+            m = self.get(i)
+        except OSError:  # cannot be mapped (address space, descriptors): read by position
             return False
-        for f in [files] if per_file is None else np.unique(per_file).tolist():
-            m = maps[f]
-            part = sample if per_file is None else np.ascontiguousarray(sample[per_file == f])
-            if m is None or not RESIDENT(m.addr, m.flat.numel(), part.ctypes.data, len(part), row_nbytes):
-                return False
-        return True
+        if m is None:  # an empty file: no row of the read lies in it
+            return False
+        if not len(offsets):  # none of the sampled rows lies in it
+            return True
+        offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+        return bool(RESIDENT(m.addr, m.flat.numel(), offsets.ctypes.data, len(offsets), row_nbytes))
 
     def _open(self, path: str) -> _Map | None:
         with open(path, "rb") as fh:
