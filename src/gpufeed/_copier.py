@@ -48,7 +48,7 @@ class Delivered:
         the batch."""
         if self.event is not None:
             self.event.wait(stream)
-            if stream != self.consumer:  # the consumer switched streams since the epoch started: fence there
+            if stream is not self.consumer and stream != self.consumer:  # the loop switched streams
                 for t in self.fresh:
                     t.record_stream(stream)
         return self.batch
@@ -141,7 +141,10 @@ class Copier:
                     staged += t.nbytes
                 fresh.append(out[i])
             delivered = self.seal(rebuild(out), fresh, start, read)
-        self.stats.add(bytes=nbytes, staged_bytes=staged, stage_s=stage_s)
+        stats = self.stats  # (one writer: the epoch's fetching thread)
+        stats.bytes += nbytes
+        stats.staged_bytes += staged
+        stats.stage_s += stage_s
         return delivered
 
     def _stage(self, t: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,14 @@ def flatten(batch: Any) -> tuple[list[torch.Tensor], Rebuild]:
         >>> rebuild([t * 2 for t in leaves])
         {'x': tensor([2., 2.]), 'n': 3}
     """
+    kind = type(batch)
+    if kind is dict or kind is list or kind is tuple:  # the common batch, flat: built without a tree
+        values = list(batch.values()) if kind is dict else list(batch)
+        if all(isinstance(v, torch.Tensor) for v in values):
+            if kind is dict:
+                keys = list(batch)
+                return values, lambda new: dict(zip(keys, new, strict=True))
+            return values, kind
     leaves: list[torch.Tensor] = []
     build = _compile(batch, leaves)
     return leaves, build

@@ -20,6 +20,7 @@ from gpufeed import _nvtx, _worker
 from gpufeed._copier import Copier, Delivered
 from gpufeed._host_buffers import HostBuffers
 from gpufeed._static import StaticBuffers
+from gpufeed._streams import StreamSwitch
 from gpufeed._tracing import TraceRecorder
 from gpufeed._wrapped import WrappedLoader
 from gpufeed.pinned_pool import PinnedPool
@@ -275,7 +276,8 @@ class _EpochIterator:
         self._done = False
         self._reason = ""
         self._last_t: float | None = None
-        self._consumer_stream = torch.cuda.current_stream(pf.device) if pf._cuda else None
+        self._streams = StreamSwitch(pf.device, pf._stream) if pf._stream is not None else None
+        self._consumer_stream = self._streams.current() if self._streams is not None else None
         self._copy_stream = pf._stream
         self._thread: threading.Thread | None = None
         self._deliveries = _deliveries(batches, pf._copier(), self._stop, self._consumer_stream)
@@ -299,12 +301,12 @@ class _EpochIterator:
                 raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
             raise StopIteration
         t0 = time.perf_counter()
-        consumer = torch.cuda.current_stream(self._pf.device) if self._pf._cuda else None
+        consumer = self._streams.current() if self._streams is not None else None
         try:
             if self._thread is None and self._last_t is not None and self._fetches is not None:
                 self._decide(t0 - self._last_t, consumer)
             if self._thread is None:
-                item = self._read_inline(consumer)
+                item = self._read_inline()
             else:
                 item = self._next_threaded()
                 self._slots.release()
@@ -366,17 +368,19 @@ class _EpochIterator:
         self._thread = thread
         self._check_stopped()  # a close() from another thread while it started
 
-    def _read_inline(self, consumer: torch.cuda.Stream | None) -> Any:
+    def _read_inline(self) -> Any:
         """The next delivery, after making ``depth`` more ahead of it (CUDA) or none (CPU). Their copies
-        (and the transform) go to the copy stream, current meanwhile; ``consumer`` is current after."""
+        (and the transform) go to the copy stream, current meanwhile; the loop's stream is current after."""
         t0 = time.perf_counter()
-        device = _enter_stream(self._copy_stream)
+        streams = self._streams
+        device = streams.enter_copy() if streams is not None else 0
         try:
             while len(self._ahead) <= self._keep_ahead and not self._ended():
                 self._ahead.append(self._pull())
                 self._check_stopped()
         finally:
-            _leave_stream(consumer, device)
+            if streams is not None:
+                streams.leave_copy(device)
         if self._fetches is not None and self._last_t is not None:
             self._fetches.append(time.perf_counter() - t0)
         try:
@@ -467,7 +471,7 @@ def _deliveries(batches: Iterable[Any], copier: Copier, stop: threading.Event,
             with _nvtx.range("gpufeed.fetch"):
                 raw = next(it, _worker.END)
             t1 = time.perf_counter()
-            copier.stats.add(fetch_s=t1 - t0)
+            copier.stats.fetch_s += t1 - t0  # (one writer: the epoch's fetching thread)
             if copier.trace is not None:
                 copier.trace.add("fetch", int(t0 * 1e9), int(t1 * 1e9), "gpufeed-fetch", batch=index)
             if raw is _worker.END:
@@ -494,25 +498,6 @@ def _thread_pays(gaps: list[float], fetches: list[float], gpu_busy: bool) -> boo
     (:data:`THREAD_COST_S`). A loop that does nothing between batches leaves no time to hide.
     """
     return not gpu_busy and min(min(gaps), min(fetches)) > THREAD_COST_S
-
-
-def _enter_stream(stream: torch.cuda.Stream | None) -> int | None:
-    """Make ``stream`` (and its device) current; returns the device that was current before.
-    ``torch.cuda.stream()`` does the same with lookups that cost more than a small batch's copy."""
-    if stream is None:
-        return None
-    device = torch.cuda.current_device()
-    torch.cuda.set_stream(stream)
-    return device
-
-
-def _leave_stream(stream: torch.cuda.Stream | None, device: int | None) -> None:
-    """Make ``stream`` current again, then ``device`` (what :func:`_enter_stream` returned)."""
-    if stream is None:
-        return
-    torch.cuda.set_stream(stream)
-    if device != stream.device_index:
-        torch.cuda.set_device(device)
 
 
 def _cpu_core_to_spare() -> bool:
