@@ -416,6 +416,24 @@ def test_not_iterable_is_a_value_error():
         CudaPrefetcher(42, device="cpu")
 
 
+def test_stats_counters_lose_no_update_between_threads():
+    """A stopped epoch's thread may still count beside the next epoch's: every addition lands."""
+    s = PrefetchStats()
+
+    def count():
+        for _ in range(20_000):
+            s.add_copied(3, 1, 0.5)
+            s.add_fetch(0.25)
+            s.add(bytes=1)
+
+    threads = [threading.Thread(target=count) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (s.bytes, s.staged_bytes, s.stage_s, s.fetch_s) == (4 * 20_000 * 4, 80_000, 40_000.0, 20_000.0)
+
+
 def test_stats_dict_and_summary():
     s = PrefetchStats(batches=2, bytes=4_000_000_000, wait_s=0.5, wall_s=2.0, copy_s=0.1,
                       timed_bytes=2_000_000_000)

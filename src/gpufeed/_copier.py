@@ -141,10 +141,7 @@ class Copier:
                     staged += t.nbytes
                 fresh.append(out[i])
             delivered = self.seal(rebuild(out), fresh, start, read)
-        stats = self.stats  # (one writer: the epoch's fetching thread)
-        stats.bytes += nbytes
-        stats.staged_bytes += staged
-        stats.stage_s += stage_s
+        self.stats.add_copied(nbytes, staged, stage_s)
         return delivered
 
     def _stage(self, t: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,18 @@ class PrefetchStats:
             for k, v in deltas.items():
                 setattr(self, k, getattr(self, k) + v)
 
+    def add_copied(self, nbytes: int, staged: int, stage_s: float) -> None:
+        """``add(bytes=..., staged_bytes=..., stage_s=...)`` without the keyword dict: once a batch."""
+        with self._lock:
+            self.bytes += nbytes
+            self.staged_bytes += staged
+            self.stage_s += stage_s
+
+    def add_fetch(self, seconds: float) -> None:
+        """``add(fetch_s=seconds)`` without the keyword dict: once a batch."""
+        with self._lock:
+            self.fetch_s += seconds
+
     def as_dict(self) -> dict[str, float]:
         keys = ("batches", "bytes", "wait_s", "wall_s", "startup_s", "fetch_s", "stage_s", "copy_s",
                 "timed_bytes", "staged_bytes", "threaded_batches")
