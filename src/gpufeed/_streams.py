@@ -1,9 +1,9 @@
 """The stream calls an epoch makes on every batch, one C call each.
 
 ``torch.cuda.current_stream()`` builds a new ``Stream`` object at every call, and ``torch.cuda.set_stream``
-and ``current_device`` pass through Python lookups: together about 10 us a batch on an H100 or H200,
-where copying a small batch takes less (docs/design.md). These wrappers make the same calls into
-``torch._C`` that ``torch.cuda`` makes, and keep the loop's stream object while it stays current.
+and ``current_device`` pass through Python lookups: together they cost a small batch more than its copy
+(docs/design.md, "The inline hot path"). These wrappers make the same calls into ``torch._C`` that
+``torch.cuda`` makes, and keep the loop's stream object while it stays current.
 """
 
 from __future__ import annotations
