@@ -422,8 +422,8 @@ def test_stats_counters_lose_no_update_between_threads():
 
     def count():
         for _ in range(20_000):
-            s.add_copied(3, 1, 0.5)
-            s.add_fetch(0.25)
+            s.add(bytes=3, staged_bytes=1, stage_s=0.5)
+            s.add(fetch_s=0.25)
             s.add(bytes=1)
 
     threads = [threading.Thread(target=count) for _ in range(4)]

@@ -141,7 +141,7 @@ class Copier:
                     staged += t.nbytes
                 fresh.append(out[i])
             delivered = self.seal(rebuild(out), fresh, start, read)
-        self.stats.add_copied(nbytes, staged, stage_s)
+        self.stats.add(bytes=nbytes, staged_bytes=staged, stage_s=stage_s)
         return delivered
 
     def _stage(self, t: torch.Tensor) -> torch.Tensor:

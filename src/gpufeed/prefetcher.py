@@ -471,7 +471,7 @@ def _deliveries(batches: Iterable[Any], copier: Copier, stop: threading.Event,
             with _nvtx.range("gpufeed.fetch"):
                 raw = next(it, _worker.END)
             t1 = time.perf_counter()
-            copier.stats.add_fetch(t1 - t0)
+            copier.stats.add(fetch_s=t1 - t0)
             if copier.trace is not None:
                 copier.trace.add("fetch", int(t0 * 1e9), int(t1 * 1e9), "gpufeed-fetch", batch=index)
             if raw is _worker.END:

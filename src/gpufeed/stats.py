@@ -64,23 +64,17 @@ class PrefetchStats:
         own thread): the GPU starves unless it was busy meanwhile."""
         return self.stall_fraction > 0.05
 
-    def add(self, **deltas: float) -> None:
-        """Add to counters from the fetching thread (thread-safe)."""
+    def add(self, *, bytes: int = 0, staged_bytes: int = 0, stage_s: float = 0.0, fetch_s: float = 0.0,
+            copy_s: float = 0.0, timed_bytes: int = 0) -> None:
+        """Add to the fetching side's counters (thread-safe: a stopped epoch's thread may still count beside
+        the next epoch's). Named arguments, not a dict of them: it runs a few times a batch."""
         with self._lock:
-            for k, v in deltas.items():
-                setattr(self, k, getattr(self, k) + v)
-
-    def add_copied(self, nbytes: int, staged: int, stage_s: float) -> None:
-        """``add(bytes=..., staged_bytes=..., stage_s=...)`` without the keyword dict: once a batch."""
-        with self._lock:
-            self.bytes += nbytes
-            self.staged_bytes += staged
+            self.bytes += bytes
+            self.staged_bytes += staged_bytes
             self.stage_s += stage_s
-
-    def add_fetch(self, seconds: float) -> None:
-        """``add(fetch_s=seconds)`` without the keyword dict: once a batch."""
-        with self._lock:
-            self.fetch_s += seconds
+            self.fetch_s += fetch_s
+            self.copy_s += copy_s
+            self.timed_bytes += timed_bytes
 
     def as_dict(self) -> dict[str, float]:
         keys = ("batches", "bytes", "wait_s", "wall_s", "startup_s", "fetch_s", "stage_s", "copy_s",

@@ -3,7 +3,7 @@
 For rows in the page cache, one copy per batch that releases the GIL beats one positional read per row;
 for a cold file it loses, since its rows fault in one page at a time where positional reads have all of a
 batch's reads in flight. So by default (``mmap_gather=None``) a batch is gathered only where a sample of
-its rows lies in the page cache (``gpufeed_resident``, ``mincore``), and only with the native library:
+its rows lies in the page cache (``gpufeed_resident``, ``mincore``), and only with the native library.
 
 A file cut while it is mapped raises SIGBUS when a page past its new end is touched. The native gather
 (``gpufeed_gather`` in ``_pread_many.c``) catches it in the thread that gathers and raises an OSError
@@ -32,7 +32,7 @@ def file_maps(paths: list[str], mmap_gather: bool | None) -> FileMaps | None:
     """The memory maps a source gathers from, per its ``mmap_gather`` setting: ``True`` always gathers
     scattered rows, ``None`` gathers those in the page cache where the native gather is built, ``False``
     (or ``None`` without the native library) maps no file."""
-    if mmap_gather is False or (mmap_gather is None and (GATHER is None or RESIDENT is None)):
+    if mmap_gather is False or (mmap_gather is None and GATHER is None):
         return None
     return FileMaps(paths, always=mmap_gather is True)
 
@@ -62,7 +62,7 @@ class FileMaps(_PerProcess):
         to twice as many of the rows, spread over the read (nothing is faulted in to find out)."""
         if self.always:
             return True
-        if GATHER is None or RESIDENT is None:  # unpickled in a process without the native library
+        if RESIDENT is None:  # unpickled in a process without the native library
             return False
         step = max(1, len(offsets) // RESIDENT_SAMPLE)
         sample = offsets[::step]
