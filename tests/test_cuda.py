@@ -96,6 +96,22 @@ def test_one_copy_stream_and_flat_memory_over_20_epochs():
     pf.close()
 
 
+def test_an_epoch_ends_without_waiting_for_its_copies_and_keeps_what_they_read():
+    """The loop never waits for copies at an epoch's end (it would spin until all it queued had landed);
+    the pinned tensors those copies read stay referenced until they complete, and close() waits for them."""
+    data = [{"x": torch.full((1 << 20,), float(i)).pin_memory()} for i in range(6)]
+    pf = CudaPrefetcher(data, depth=2)
+    with torch.cuda.stream(pf._stream):
+        torch.cuda._sleep(400_000_000)  # the copy stream busy for a few hundred ms: every copy waits
+    got = [b["x"] for b in pf]
+    queued = list(pf._in_flight._queue)
+    assert queued and not queued[-1][1].query()  # the epoch ended with its copies still queued
+    assert {id(t) for _, _, read, _ in queued for t in read} == {id(b["x"]) for b in data}
+    assert [float(t[-1]) for t in got] == [float(i) for i in range(6)]  # exact once they land
+    pf.close()
+    assert not pf._in_flight._queue
+
+
 def test_device_defaults_to_the_current_cuda_device_and_transform_runs_there():
     data = [torch.arange(256, dtype=torch.uint8).view(16, 16) for _ in range(4)]
     with CudaPrefetcher(data, transform=lambda t: t.float().mul_(0.25)) as pf:

@@ -54,6 +54,39 @@ class Delivered:
         return self.batch
 
 
+class InFlight:
+    """The copies of one prefetcher not yet seen complete, over all its epochs.
+
+    Holds, for each timed batch or batch read from pinned host tensors, its start event (None when not
+    timed), its end event, the pinned host tensors its copies read and the bytes it copied. Invariant: those
+    host tensors stay referenced until the end event has completed. An epoch's end does not wait for its
+    last copies (the loop would spin until every copy it queued ahead had landed): the next epoch's
+    batches, or the prefetcher's ``close()``, let go of them once complete.
+    """
+
+    def __init__(self, stats: PrefetchStats) -> None:
+        self.stats = stats
+        self._queue: collections.deque[
+            tuple[torch.cuda.Event | None, torch.cuda.Event, list[torch.Tensor], int]] = collections.deque()
+        self._lock = threading.Lock()  # a stopped epoch's thread may still collect beside the next epoch
+
+    def add(self, start: torch.cuda.Event | None, end: torch.cuda.Event, read: list[torch.Tensor],
+            nbytes: int) -> None:
+        with self._lock:
+            self._queue.append((start, end, read, nbytes))
+
+    def collect(self, wait: bool = False) -> None:
+        """Account the copy time of the batches whose copies completed (all of them, waiting, with
+        ``wait``), and let go of the host tensors they read."""
+        with self._lock:
+            while self._queue and (wait or self._queue[0][1].query()):
+                start, end, _, nbytes = self._queue.popleft()
+                if wait:
+                    end.synchronize()
+                if start is not None:
+                    self.stats.add(copy_s=start.elapsed_time(end) / 1e3, timed_bytes=nbytes)
+
+
 class Copier:
     """Moves batches to ``device``: pinned tensors directly, pageable ones pinned first (``Stager``).
 
@@ -71,7 +104,8 @@ class Copier:
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream | None, pool: PinnedPool,
                  stats: PrefetchStats, transform: Callable[[Any], Any] | None,
-                 trace: TraceRecorder | None = None, host: HostBuffers | None = None) -> None:
+                 trace: TraceRecorder | None = None, host: HostBuffers | None = None,
+                 in_flight: InFlight | None = None) -> None:
         self.device = device
         self.stream = stream
         self.pool = pool
@@ -80,11 +114,7 @@ class Copier:
         self.transform = transform
         self.trace = trace
         self.stager = Stager(pool.chunk_bytes)  # used only when there is a copy stream
-        # Per timed batch or batch read from pinned host tensors: its start event (None when not timed), its
-        # end event, the pinned host tensors its copies read (kept alive until the copy completed) and the
-        # bytes it copied.
-        self._in_flight: collections.deque[
-            tuple[torch.cuda.Event | None, torch.cuda.Event, list[torch.Tensor], int]] = collections.deque()
+        self.in_flight = in_flight if in_flight is not None else InFlight(stats)  # a prefetcher: its own
         self._count = 0
 
     def deliver(self, raw: Any, index: int, stop: threading.Event,
@@ -155,7 +185,7 @@ class Copier:
 
     def begin(self) -> torch.cuda.Event | None:
         """Account the batches whose copies completed; for a timed batch, record the start of its copies."""
-        self._collect()
+        self.in_flight.collect()
         timed = self._count % TIME_EVERY == 1  # not an epoch's first batch, which pays the start-up
         self._count += 1
         if not timed:
@@ -181,7 +211,7 @@ class Copier:
         end = torch.cuda.Event(enable_timing=start is not None)
         end.record(self.stream)
         if start is not None or read:
-            self._in_flight.append((start, end, read or [], timed))
+            self.in_flight.add(start, end, read or [], timed)
         return Delivered(batch, end, fresh)
 
     def pinned_ok(self) -> bool:
@@ -193,19 +223,10 @@ class Copier:
             warn_pageable("pinned_budget is 0" if self.pool.budget == 0 else "pinned allocation failed")
         return False
 
-    def _collect(self, wait: bool = False) -> None:
-        """Account the copy time of batches whose copies completed, and let go of the host tensors read."""
-        while self._in_flight and (wait or self._in_flight[0][1].query()):
-            start, end, _, nbytes = self._in_flight.popleft()
-            if wait:
-                end.synchronize()
-            if start is not None:
-                self.stats.add(copy_s=start.elapsed_time(end) / 1e3, timed_bytes=nbytes)
-
     def finish(self) -> None:
-        """The epoch is ending: account the last copies and let go of what they read."""
+        """The epoch is ending: account the copies that completed (the rest stay in ``in_flight``)."""
         if self.stream is not None:
             try:
-                self._collect(wait=True)
-            except Exception:
+                self.in_flight.collect()
+            except Exception:  # a CUDA error raised on the way here is the one to report
                 pass

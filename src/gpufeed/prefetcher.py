@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from gpufeed import _nvtx, _worker
-from gpufeed._copier import Copier, Delivered
+from gpufeed._copier import Copier, Delivered, InFlight
 from gpufeed._host_buffers import HostBuffers
 from gpufeed._static import StaticBuffers
 from gpufeed._streams import StreamSwitch
@@ -133,6 +133,7 @@ class CudaPrefetcher:
         self._pool = PinnedPool(budget, chunk_bytes, pin=self._cuda)
         # CPU batches: ``depth`` queued, one being read, and the one or two the loop still holds.
         self._host = HostBuffers(slots=depth + 3)
+        self._in_flight = InFlight(self.stats)  # copies of ended epochs are let go of once complete
         self._static = StaticBuffers() if static else None
         if trace is None:
             trace = os.environ.get("GPUFEED_TRACE", "0") not in ("", "0", "false", "no")
@@ -227,6 +228,11 @@ class CudaPrefetcher:
         it = self._current() if self._current is not None else None
         if it is not None:
             it._shutdown("the CudaPrefetcher was closed")
+        if self._cuda:
+            try:
+                self._in_flight.collect(wait=True)
+            except Exception:  # a broken CUDA context: nothing left to wait for
+                pass
         self._pool.clear()
         self._host.clear()
 
@@ -248,7 +254,7 @@ class CudaPrefetcher:
         # A copier and its reader threads belong to one epoch (they end with its fetch thread), so break,
         # an error or Ctrl-C leaves no gpufeed thread behind; pinned buffers live on in the pool.
         return Copier(self.device, self._stream, self._pool, self.stats, self.transform, self._trace,
-                      host=self._host)
+                      host=self._host, in_flight=self._in_flight)
 
 
 class _EpochIterator:
