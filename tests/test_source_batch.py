@@ -121,3 +121,63 @@ def test_a_failing_inline_read_raises_and_returns_its_buffer():
     finally:
         chain.cancel()
     assert len(copier.pool._free) == copier.pool.allocations
+
+
+class DeviceSource(ArraySource):
+    """An ArraySource that claims to read into device memory, recording how many reads overlap."""
+
+    def __init__(self, delay=0.01, **kw):
+        super().__init__(**kw)
+        self.reads_to = "device"
+        self.delay, self.calls, self.busy, self.most = delay, [], 0, 0
+        self._lock = threading.Lock()
+
+    def read(self, rows, out):
+        with self._lock:
+            self.busy += 1
+            self.most = max(self.most, self.busy)
+            self.calls.append(list(rows))
+        try:
+            threading.Event().wait(self.delay)  # long enough for the reads started ahead to overlap
+            super().read(rows, out)
+        finally:
+            with self._lock:
+                self.busy -= 1
+
+
+def device_copier():
+    """The parts of a copier a device read uses, on the CPU: a stream stand-in and the device."""
+    return SimpleNamespace(device=torch.device("cpu"), stream=SimpleNamespace(synchronize=lambda: None))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_device_reads_are_one_read_a_batch_with_up_to_threads_batches_at_once(threads):
+    src = DeviceSource()
+    plan = plan_batches(len(src), 10, shuffle=True, seed=2)
+    chain = EpochReads(src, plan, threads=threads)
+    try:
+        for i in range(len(plan)):
+            b = chain.take(i)
+            out = b._read_device(device_copier(), STOP)
+            idx = np.asarray(b.rows)
+            for k, a in src.arrays.items():
+                assert np.array_equal(out[k].numpy(), a[idx]), (i, k)
+    finally:
+        chain.cancel()
+    assert sorted(src.calls) == sorted(list(rows) for rows in plan)  # each batch read once, whole
+    assert src.most == threads
+
+
+def test_a_failing_device_read_raises_at_its_batch_and_the_reads_ahead_end():
+    from conftest import wait_no_threads
+
+    src = DeviceSource(fail_at=35)
+    chain = EpochReads(src, plan_batches(len(src), 10), threads=4)
+    got = []
+    with pytest.raises(OSError, match="row 35"):
+        for i in range(len(chain.plan)):
+            got.append(chain.take(i)._read_device(device_copier(), STOP)["y"][0].item())
+    assert got == [0, 10, 20]  # the batches before it, complete
+    chain.cancel()  # batches 4-6, started ahead: those running end before the reader threads stop, the rest
+    assert src.busy == 0 and 4 <= len(src.calls) <= 7  # are cancelled
+    wait_no_threads()

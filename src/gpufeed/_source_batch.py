@@ -8,9 +8,14 @@ device on the copy stream. Once a batch has all its reads submitted it starts it
 readers never idle while the fetching thread finishes a batch (docs/design.md, "Reading a
 BatchSource").
 
+A source that reads into device memory (``reads_to == "device"``: nvCOMP decoding, GPUDirect Storage) is
+read one batch per read instead, since it spreads a read over the device or its own threads, and up to
+``threads`` batches are read at once (:meth:`SourceBatch.start_device`).
+
 Invariants: a batch starts its successor only after all of its own chunks hold buffers, and a start
 that finds the pool empty stops (it never blocks), so a successor can never hold buffers the current
-batch is waiting for. At most one batch is read ahead into pinned memory beyond ``depth``.
+batch is waiting for. At most one batch is read ahead into pinned memory beyond ``depth``, and at most
+``threads - 1`` into device memory.
 """
 
 from __future__ import annotations
@@ -109,12 +114,19 @@ class EpochReads:
         return self._executor
 
     def get(self, i: int) -> SourceBatch | None:
+        """Batch ``i`` (None past the end), made when the epoch or an earlier batch first asks."""
         if i >= len(self.plan):
             return None
         if i not in self._made:
-            self._made = {k: v for k, v in self._made.items() if k >= i - 1}  # keep the last two at most
             self._made[i] = SourceBatch(self.source, self.plan[i], self, i)
         return self._made[i]
+
+    def take(self, i: int) -> SourceBatch:
+        """Batch ``i`` for the epoch to hand out; the batches before the previous one are read and dropped."""
+        self._made = {k: v for k, v in self._made.items() if k >= i - 1}
+        batch = self.get(i)
+        assert batch is not None, "take() is called for the batches of the plan only"
+        return batch
 
     def cancel(self) -> None:
         """End the epoch: let reads started ahead finish, return their buffers, drop the batches (each
@@ -138,6 +150,8 @@ class SourceBatch(ReadRequest):
         self._next = 0  # chunks of the plan that have a buffer and submitted reads
         self._entries: collections.deque[tuple[Any, Any, list[Any]]] = collections.deque()
         self._copier: Copier | None = None
+        self._device_read: Future | None = None  # a device read (``start_device``), and its output
+        self._device_out: dict[str, torch.Tensor] = {}
 
     # -- reads -------------------------------------------------------------------------------------
 
@@ -165,29 +179,30 @@ class SourceBatch(ReadRequest):
         (fetch) thread's current stream."""
         fields = self.source.fields
         n = len(self.rows)
-        host = copier.stream is None or getattr(self.source, "reads_to", "host") == "device"
-        dev = copier.device if copier.stream is not None else torch.device("cpu")
         start = copier.begin() if copier.stream is not None else None
-        if dev.type == "cpu":  # reused host tensors: their pages are mapped already
+        if copier.stream is None:  # the CPU path: reused host tensors, their pages are mapped already
             out = copier.host.take(fields, n)
-        else:
-            out = {k: torch.empty((n, *f.shape), dtype=f.dtype, device=dev) for k, f in fields.items()}
-        if host:  # the CPU path, or a source that reads straight into device memory (GDS)
-            if dev.type == "cuda":
-                copier.stream.synchronize()  # fence: no queued copy-stream work touches these blocks
             self._read_direct(copier, out, stop)
-        elif copier.pinned_ok():
-            try:
-                self._read_staged(copier, out, stop)
-            except PinnedUnavailable:
-                self.cancel()
-                copier.pinned_ok()  # warns once
-                self._read_pageable(copier, out, stop)
+        elif getattr(self.source, "reads_to", "host") == "device":
+            out = self._read_device(copier, stop)
         else:
-            self._read_pageable(copier, out, stop)
+            out = {k: torch.empty((n, *f.shape), dtype=f.dtype, device=copier.device)
+                   for k, f in fields.items()}
+            self._read_to_host(copier, out, stop)
         delivered = copier.seal(out, list(out.values()), start)
         copier.stats.add(bytes=n * sum(f.sample_nbytes for f in fields.values()))
         return delivered
+
+    def _read_to_host(self, copier: Copier, out: dict[str, torch.Tensor], stop: threading.Event) -> None:
+        """Read through pinned staging buffers, or through pageable host tensors where no pinned memory is."""
+        if copier.pinned_ok():
+            try:
+                self._read_staged(copier, out, stop)
+                return
+            except PinnedUnavailable:
+                self.cancel()
+                copier.pinned_ok()  # warns once
+        self._read_pageable(copier, out, stop)
 
     def _read_staged(self, copier: Copier, out: dict[str, torch.Tensor], stop: threading.Event) -> None:
         started = self.start(copier, stop, block=True)
@@ -213,6 +228,34 @@ class SourceBatch(ReadRequest):
             copier.pool.release(buf, copier.stream)
             if self._next < len(self._plan or ()):
                 self.start(copier, stop)  # a chunk's buffer came back: top up this batch's reads
+
+    def _read_device(self, copier: Copier, stop: threading.Event) -> dict[str, torch.Tensor]:
+        """A source that reads into device memory (nvCOMP decoding, GPUDirect Storage) spreads one read over
+        the device (every chunk in one nvCOMP call) or its own threads (kvikio's): it is read one batch per
+        read, and up to ``threads`` batches at once, this one and its successors, on the reader threads."""
+        self.start_device(copier)
+        for i in range(self.index + 1, self.index + self.chain.threads):
+            succ = self.chain.get(i)
+            if succ is None:
+                break
+            succ.start_device(copier)
+        try:
+            _result(self._device_read, stop)
+        except BaseException:
+            self.cancel()
+            raise
+        return self._device_out
+
+    def start_device(self, copier: Copier) -> None:
+        """Submit this batch's one read into device tensors allocated now (on the copy stream, current on
+        the calling thread), unless it was submitted already."""
+        if self._device_read is not None:
+            return
+        fields, n = self.source.fields, len(self.rows)
+        self._device_out = {k: torch.empty((n, *f.shape), dtype=f.dtype, device=copier.device)
+                            for k, f in fields.items()}
+        copier.stream.synchronize()  # fence: no queued copy-stream work touches these blocks
+        self._device_read = self.chain.executor.submit(self.source.read, self.rows, self._device_out)
 
     def _read_pageable(self, copier: Copier, out: dict[str, torch.Tensor], stop: threading.Event) -> None:
         """No pinned memory: read into pageable host tensors, then copy them (slower, still off the
@@ -299,6 +342,8 @@ class SourceBatch(ReadRequest):
 
     def cancel(self) -> None:
         """Let submitted reads end and return their buffers (an epoch stopped or failed)."""
+        if self._device_read is not None:
+            self._finish([self._device_read])
         while self._entries:
             _, buf, futs = self._entries.popleft()
             self._finish(futs)

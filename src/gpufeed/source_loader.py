@@ -155,7 +155,7 @@ class SourceLoader:
         reads = EpochReads(self.source, self.plan(epoch), threads)
         try:
             for i in range(start, len(reads.plan)):
-                yield reads.get(i)
+                yield reads.take(i)
         finally:  # stopped, failed or done: reads already started for a batch never delivered end here
             reads.cancel()
 
