@@ -298,7 +298,7 @@ def test_missing_nvcomp_falls_back_to_threads_with_one_warning(tmp_path, monkeyp
     monkeypatch.setattr(_nvcomp, "load", missing)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        auto = H5Source(tmp_path / "z.h5", decode="auto")  # the reader threads, nvCOMP or not: no warning
+        auto = H5Source(tmp_path / "z.h5", decode="auto")  # no nvCOMP: the reader threads, without a warning
     assert auto.paths_taken["x"] == "gzip-cpu"
     with pytest.warns(RuntimeWarning, match=r"decoded by reader threads.*gpufeed\[nvcomp\]"):
         src = H5Source(tmp_path / "z.h5", decode="gpu")
@@ -401,6 +401,37 @@ class TestGzipGpu(SourceContract):
         src = H5Source(tmp_path / "z.h5", decode="gpu")
         assert dict(src.paths_taken) == {"x": "gzip-gpu", "y": "gzip-gpu", "w": "contiguous", "z": "h5py"}
         return src, data
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_threads", [1, 4])
+def test_a_prefetcher_delivers_gpu_decoded_batches_exactly_reading_ahead(tmp_path, nvcomp_gpu, num_threads):
+    """``decode="auto"`` decodes on the GPU where nvCOMP is; a SourceLoader reads up to ``num_threads``
+    batches at once, a batch per read: every shuffled batch arrives exact and once, epoch after epoch, and a
+    corrupt chunk raises at its own batch."""
+    from gpufeed import CudaPrefetcher, SourceLoader
+
+    a = _array((600, 3, 8), "<i2")
+    path = tmp_path / "z.h5"
+    _write(path, {"x": (a, (16, 3, 8))}, compression="gzip", shuffle=True)
+    src = H5Source(path, decode="auto")
+    assert src.paths_taken["x"] == "gzip-gpu" and src.reads_to == "device"
+    loader = SourceLoader(src, batch_size=40, shuffle=True, seed=3, num_threads=num_threads)
+    with CudaPrefetcher(loader, depth=2) as pf:
+        for epoch in range(2):
+            got = [b["x"].cpu() for b in pf]
+            plan = loader.plan(epoch)
+            assert len(got) == len(plan)
+            for rows, x in zip(plan, got, strict=True):
+                assert _same(x, a[np.asarray(rows)])
+    _corrupt(path, "x", 20, "middle")  # rows 320-335: in batch 8 of the sequential plan
+    src = H5Source(path, decode="gpu")
+    seen = []
+    pf = CudaPrefetcher(SourceLoader(src, batch_size=40, num_threads=num_threads))
+    with pf, pytest.raises(CorruptChunkError, match=rf"{path}: dataset '/x': chunk 20 "):
+        for b in pf:
+            seen.append(int(b["x"][0, 0, 0]))
+    assert len(seen) == 8
 
 
 @pytest.mark.cuda

@@ -30,12 +30,12 @@ _WARN_LOCK = threading.Lock()
 def use_gpu(decode: str, where: str) -> bool:
     """Whether gzip chunks are decoded on the GPU, for ``H5Source(decode=...)``.
 
-    Only with ``"gpu"``, and only where CUDA and nvCOMP are there: a missing one warns once per process and
-    falls back to the CPU threads, never an error. ``"auto"`` is the reader threads: nvCOMP inflates each
-    chunk's deflate stream serially on one warp, so HDF5's few large chunks per batch leave the GPU mostly
-    idle, and the threads were faster (docs/design.md).
+    ``"auto"`` and ``"gpu"``: where CUDA and nvCOMP are there (one nvCOMP call inflates a batch's chunks, and
+    a ``SourceLoader`` keeps several batches decoding at once: several times the rate of the reader threads,
+    docs/design.md). Without one, ``"auto"`` is the reader threads, and ``"gpu"`` warns once per process and
+    falls back to them, never an error. ``"cpu"``: the reader threads.
     """
-    if decode != "gpu":
+    if decode == "cpu":
         return False
     if not torch.cuda.is_available():
         if decode == "gpu":
@@ -47,7 +47,8 @@ def use_gpu(decode: str, where: str) -> bool:
 
         _nvcomp.load()
     except ImportError as exc:
-        _warn_once(f"{where}: gzip chunks are decoded by reader threads on the CPU, not on the GPU: {exc}")
+        if decode == "gpu":
+            _warn_once(f"{where}: gzip chunks are decoded by reader threads on the CPU, not the GPU: {exc}")
         return False
     return True
 
