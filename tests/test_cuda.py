@@ -156,10 +156,11 @@ def test_a_leaf_larger_than_a_chunk_is_staged_chunk_by_chunk_exactly(monkeypatch
 
 def test_stats_time_the_copies():
     data = host_batches(8, "unpinned", seed=9, rows=(8192, 8193))
+    with CudaPrefetcher(data) as warm:  # pinned memory is slow to use the first time: torch caches it
+        list(warm)
     with CudaPrefetcher(data) as pf:
         list(pf)
-        torch.cuda.synchronize()
-    s = pf.stats
+    s = pf.stats  # close() accounted the timed copies still in flight at the epoch's end
     assert s.batches == 8 and s.bytes == sum(
         v.numel() * v.element_size() for b in data for v in b.values() if isinstance(v, torch.Tensor))
     assert s.copy_s > 0 and s.h2d_GBps > 0.5

@@ -21,7 +21,8 @@ class PrefetchStats:
     reading the source) and copying pageable memory into pinned buffers, on whichever thread fetched.
     ``copy_s`` is the H2D time on the copy stream of the batches timed with CUDA events (one batch in 16:
     a CUDA event costs time on every batch), and ``timed_bytes`` what they copied, so ``h2d_GBps`` is the
-    link's rate over that sample.
+    rate the link was fed at over that sample. A pageable batch's copies wait for its chunks to be pinned,
+    so its time spans its staging too (and, the first time, the pinning of fresh pool memory).
 
     Example:
         >>> s = PrefetchStats(batches=10, bytes=10 << 20, wait_s=0.01, wall_s=1.0)

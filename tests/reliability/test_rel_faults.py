@@ -108,7 +108,7 @@ def test_source_low_level_eio(disk, device):
             for b in pf:
                 got.append(keep(b))
         assert info.value.errno == 5 and "injected" in str(info.value)
-        assert 0 < len(got) < 15
+        assert len(got) < 15  # (0 too: a source that reads several batches at once may fail in the first)
         check_epoch(got, disk.data, plan(), complete=False)
         full_epoch(pf, disk, epoch=2)
     stopped()
