@@ -66,3 +66,42 @@ def test_stager_keeps_dtype_and_shape_and_delivers_a_non_contiguous_tensor_conti
 def test_stager_rejects_a_tiny_chunk():
     with pytest.raises(ValueError, match="chunk_bytes must be >= 4096, got 64"):
         Stager(64)
+
+
+def _leaves():
+    g = torch.Generator().manual_seed(5)
+    return [torch.tensor(2.5, dtype=torch.float64), torch.randn(3, 5, 7, generator=g),
+            torch.randn(9, generator=g, dtype=torch.complex64), torch.rand(13, generator=g) > 0.5,
+            torch.randn(6, 4, generator=g).t(), torch.randint(0, 255, (1001,), dtype=torch.uint8),
+            torch.randn(17, 3, generator=g).bfloat16(), torch.empty(0, 4),
+            torch.arange(3000, dtype=torch.int16), torch.arange(6000, dtype=torch.int64)[::3],
+            torch.randn(1, generator=g).expand(50)]
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 20_000, 1 << 20])
+def test_stage_packs_small_tensors_and_delivers_each_exact_and_on_its_own(chunk_bytes):
+    leaves = _leaves()
+    moved, allocations = Stager(chunk_bytes, pin=False).stage(leaves, torch.device("cpu"))
+    for t, m in zip(leaves, moved, strict=True):
+        assert torch.equal(m, t) and m.dtype == t.dtype and m.shape == t.shape and m.is_contiguous()
+    slots = [-(-t.nbytes // 64) * 64 for t in leaves]
+    big = [s for t, s in zip(leaves, slots, strict=True) if t.nbytes > chunk_bytes]
+    small = sum(s for t, s in zip(leaves, slots, strict=True) if t.nbytes <= chunk_bytes)
+    assert len(allocations) >= len(big) + -(-small // chunk_bytes)  # no buffer holds more than a chunk
+    if chunk_bytes == 1 << 20:
+        assert len(allocations) == 1  # every leaf in one buffer
+    views = {m.untyped_storage().data_ptr() for m in moved if m.numel()}
+    assert views <= {a.untyped_storage().data_ptr() for a in allocations}  # views of the allocations
+    for m in moved:
+        assert m.data_ptr() % 64 == 0 or m.numel() == 0  # each on a cache line, any dtype aligned
+    moved[1].fill_(0)  # a view of the same buffer as its neighbours: they stay intact
+    assert all(torch.equal(m, t) for m, t in zip(moved[2:], leaves[2:], strict=True))
+    assert torch.equal(moved[0], leaves[0])
+
+
+def test_stage_sends_a_tensor_larger_than_a_chunk_alone_in_chunks():
+    big = torch.randint(0, 256, (3 * 4096 + 5,), dtype=torch.uint8)
+    small = torch.arange(10)
+    moved, allocations = Stager(4096, pin=False).stage([small, big, small], torch.device("cpu"))
+    assert torch.equal(moved[1], big) and torch.equal(moved[0], small) and torch.equal(moved[2], small)
+    assert len(allocations) == 2 and allocations[0] is moved[1]  # the big one, then one buffer of both smalls

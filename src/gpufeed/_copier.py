@@ -154,6 +154,7 @@ class Copier:
         read: list[torch.Tensor] = []  # pinned host tensors the copy engine reads
         nbytes = staged = 0
         stage_s = 0.0
+        pageable: list[int] = []
         with _nvtx.range("gpufeed.copy"):
             start = self.begin()
             for i, t in enumerate(leaves):
@@ -162,26 +163,33 @@ class Copier:
                 nbytes += t.nbytes
                 if t.is_cuda or t.is_pinned():
                     out[i] = t.to(self.device, non_blocking=True)
+                    fresh.append(out[i])
                     if not t.is_cuda:
                         read.append(t)
                 else:
-                    t0 = time.perf_counter()
-                    out[i] = self._stage(t)
-                    stage_s += time.perf_counter() - t0
+                    pageable.append(i)
+            if pageable:  # staged together: packed into pinned buffers, one copy each
+                t0 = time.perf_counter()
+                moved, allocations = self._stage([leaves[i] for i in pageable])
+                stage_s = time.perf_counter() - t0
+                for i, t in zip(pageable, moved, strict=True):
+                    out[i] = t
                     staged += t.nbytes
-                fresh.append(out[i])
+                fresh += allocations
             delivered = self.seal(rebuild(out), fresh, start, read)
         self.stats.add(bytes=nbytes, staged_bytes=staged, stage_s=stage_s)
         return delivered
 
-    def _stage(self, t: torch.Tensor) -> torch.Tensor:
+    def _stage(self, leaves: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The pageable ``leaves`` on the device, and the device allocations they are views of."""
         if self.pinned_ok():
             try:
-                return self.stager.to(t, self.device)
-            except PinnedUnavailable:  # pinning failed: this leaf and the rest go pageable
+                return self.stager.stage(leaves, self.device)
+            except PinnedUnavailable:  # pinning failed: these leaves and the rest go pageable
                 self.pool.available = False
                 self.pinned_ok()
-        return t.to(self.device)
+        moved = [t.to(self.device) for t in leaves]
+        return moved, moved
 
     def begin(self) -> torch.cuda.Event | None:
         """Account the batches whose copies completed; for a timed batch, record the start of its copies."""

@@ -1,8 +1,9 @@
-"""Staging a pageable tensor through pinned memory to the device: :class:`Stager`.
+"""Staging pageable tensors through pinned memory to the device: :class:`Stager`.
 
-The tensor is copied into pinned memory from torch's caching host allocator (torch's parallel copy, GIL
-released) and sent on the current (copy) stream; a tensor larger than a chunk goes chunk by chunk, so
-chunk ``i + 1`` fills while chunk ``i`` crosses the link.
+A batch's pageable tensors are copied into pinned buffers from torch's caching host allocator (torch's
+parallel copy, GIL released), packed so that each buffer crosses the link in one copy, and sent on the
+current (copy) stream; a tensor larger than a chunk goes alone, chunk by chunk, so chunk ``i + 1`` fills
+while chunk ``i`` crosses the link.
 
 Invariant: pinned memory is written again only after the event recorded behind the copy that read it has
 completed; torch's allocator keeps it (a ``non_blocking`` copy from a pinned block records an event on
@@ -27,18 +28,24 @@ class PinnedUnavailable(RuntimeError):
 
 
 class Stager:
-    """Copies a pageable host tensor to the device through pinned memory, on the current stream.
+    """Copies pageable host tensors to the device through pinned memory, on the current stream.
 
-    A tensor of at most ``chunk_bytes`` is pinned whole (``pin_memory()``: torch's caching host
-    allocator and its parallel copy) and sent with one ``non_blocking`` copy. A larger one is cut into
-    chunks of ``chunk_bytes``, each pinned and sent in turn, so the fill of chunk ``i + 1`` overlaps the
-    copy of chunk ``i`` on the link. torch's allocator hands a pinned block out again only after the
-    event that its ``non_blocking`` copy recorded has completed.
+    :meth:`stage` packs a batch's tensors of at most ``chunk_bytes`` into pinned buffers of up to
+    ``chunk_bytes`` (each tensor at a 64-byte aligned offset) and sends each buffer with one
+    ``non_blocking`` copy; the device tensors are views of one device allocation per buffer. Every torch
+    call costs microseconds, so a batch of many small tensors pays one allocation and one copy per buffer
+    instead of one each per tensor. A larger tensor is cut into chunks of ``chunk_bytes``, each pinned and
+    sent in turn, so the fill of chunk ``i + 1`` overlaps the copy of chunk ``i`` on the link. torch's
+    allocator hands a pinned block out again only after the event that its ``non_blocking`` copy recorded
+    has completed.
 
     Example:
         >>> stager = Stager(chunk_bytes=4096, pin=False)
         >>> stager.to(torch.arange(3000), torch.device("cpu")).sum().item()
         4498500
+        >>> moved, allocations = stager.stage([torch.ones(2, 3), torch.arange(5)], torch.device("cpu"))
+        >>> [t.tolist() for t in moved], len(allocations)
+        ([[[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], [0, 1, 2, 3, 4]], 1)
     """
 
     def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, pin: bool = True) -> None:
@@ -46,6 +53,44 @@ class Stager:
             raise ValueError(f"chunk_bytes must be >= 4096, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
         self.pin = pin
+
+    def stage(self, tensors: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor],
+                                                                               list[torch.Tensor]]:
+        """``tensors`` on ``device`` (contiguous, whatever their strides on the host), and the device
+        allocations they are views of (what the caller records on the streams that use them).
+
+        Raises:
+            PinnedUnavailable: pinned memory could not be allocated (the caller copies from pageable).
+        """
+        moved: list[torch.Tensor] = list(tensors)
+        allocations: list[torch.Tensor] = []
+        pack: list[tuple[int, int]] = []  # (index, byte offset) of the tensors of the next buffer
+        size = 0
+        for i, t in enumerate(tensors):
+            if t.nbytes > self.chunk_bytes:
+                moved[i] = self.to(t, device)
+                allocations.append(moved[i])
+                continue
+            slot = -(-t.nbytes // _ALIGN) * _ALIGN
+            if size + slot > self.chunk_bytes:
+                allocations.append(self._send(tensors, pack, size, device, moved))
+                pack, size = [], 0
+            pack.append((i, size))
+            size += slot
+        if pack:
+            allocations.append(self._send(tensors, pack, size, device, moved))
+        return moved, allocations
+
+    def _send(self, tensors: list[torch.Tensor], pack: list[tuple[int, int]], size: int, device: torch.device,
+              moved: list[torch.Tensor]) -> torch.Tensor:
+        """Copy the tensors of ``pack`` into one pinned buffer, send it, and set their device views."""
+        host = self._pinned_empty(max(1, size))
+        for i, off in pack:
+            _view(host, off, tensors[i]).copy_(tensors[i])
+        dev = host.to(device, non_blocking=True)
+        for i, off in pack:
+            moved[i] = _view(dev, off, tensors[i])
+        return dev
 
     def to(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``t`` on ``device``, staged through pinned memory.
@@ -70,6 +115,20 @@ class Stager:
             return t.pin_memory()
         except RuntimeError as exc:  # cudaHostAlloc refused (locked-memory limit)
             raise PinnedUnavailable(f"pinned allocation failed: {exc}") from exc
+
+    def _pinned_empty(self, nbytes: int) -> torch.Tensor:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        except RuntimeError as exc:  # cudaHostAlloc refused (locked-memory limit)
+            raise PinnedUnavailable(f"pinned allocation failed: {exc}") from exc
+
+
+_ALIGN = 64  # each packed tensor starts on a cache line (and at a multiple of any dtype's size)
+
+
+def _view(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``buf`` from ``offset`` as a contiguous tensor of ``like``'s dtype and shape."""
+    return buf[offset : offset + like.nbytes].view(like.dtype).view(like.shape)
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
