@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch._utils import _unflatten_dense_tensors
 
 MiB = 1 << 20
 #: One staging chunk: the unit filled into pinned memory and sent to the device (docs/design.md says why 32).
@@ -31,13 +32,12 @@ class Stager:
     """Copies pageable host tensors to the device through pinned memory, on the current stream.
 
     :meth:`stage` packs a batch's tensors of at most ``chunk_bytes`` into pinned buffers of up to
-    ``chunk_bytes`` (each tensor at a 64-byte aligned offset) and sends each buffer with one
-    ``non_blocking`` copy; the device tensors are views of one device allocation per buffer. Every torch
-    call costs microseconds, so a batch of many small tensors pays one allocation and one copy per buffer
-    instead of one each per tensor. A larger tensor is cut into chunks of ``chunk_bytes``, each pinned and
-    sent in turn, so the fill of chunk ``i + 1`` overlaps the copy of chunk ``i`` on the link. torch's
-    allocator hands a pinned block out again only after the event that its ``non_blocking`` copy recorded
-    has completed.
+    ``chunk_bytes`` and sends each buffer with one ``non_blocking`` copy; the device tensors are views of
+    one device allocation per buffer. Every torch call costs microseconds, so a batch of many small
+    tensors pays one allocation and one copy per buffer instead of one each per tensor. A larger tensor is
+    cut into chunks of ``chunk_bytes``, each pinned and sent in turn, so the fill of chunk ``i + 1``
+    overlaps the copy of chunk ``i`` on the link. torch's allocator hands a pinned block out again only
+    after the event that its ``non_blocking`` copy recorded has completed.
 
     Example:
         >>> stager = Stager(chunk_bytes=4096, pin=False)
@@ -64,32 +64,44 @@ class Stager:
         """
         moved: list[torch.Tensor] = list(tensors)
         allocations: list[torch.Tensor] = []
-        pack: list[tuple[int, int]] = []  # (index, byte offset) of the tensors of the next buffer
-        size = 0
+        pack: list[int] = []  # the tensors of the next buffer
+        size = 0  # their bytes, with room to align each dtype's region
         for i, t in enumerate(tensors):
             if t.nbytes > self.chunk_bytes:
                 moved[i] = self.to(t, device)
                 allocations.append(moved[i])
                 continue
-            slot = -(-t.nbytes // _ALIGN) * _ALIGN
-            if size + slot > self.chunk_bytes:
-                allocations.append(self._send(tensors, pack, size, device, moved))
+            if pack and size + t.nbytes + _ALIGN > self.chunk_bytes:
+                allocations.append(self._send(tensors, pack, device, moved))
                 pack, size = [], 0
-            pack.append((i, size))
-            size += slot
+            pack.append(i)
+            size += t.nbytes + _ALIGN
         if pack:
-            allocations.append(self._send(tensors, pack, size, device, moved))
+            allocations.append(self._send(tensors, pack, device, moved))
         return moved, allocations
 
-    def _send(self, tensors: list[torch.Tensor], pack: list[tuple[int, int]], size: int, device: torch.device,
+    def _send(self, tensors: list[torch.Tensor], pack: list[int], device: torch.device,
               moved: list[torch.Tensor]) -> torch.Tensor:
-        """Copy the tensors of ``pack`` into one pinned buffer, send it, and set their device views."""
-        host = self._pinned_empty(max(1, size))
-        for i, off in pack:
-            _view(host, off, tensors[i]).copy_(tensors[i])
+        """Copy the tensors of ``pack`` into one pinned buffer, send it, and set their device views. The
+        tensors of one dtype lie back to back in a region of their own, so that each region's views and
+        copies are one torch call for all its tensors (``_unflatten_dense_tensors``, ``_foreach_copy_``,
+        as DDP's gradient buckets do), not a few per tensor."""
+        regions: dict[torch.dtype, list[int]] = {}
+        for i in pack:
+            regions.setdefault(tensors[i].dtype, []).append(i)
+        spans, end = [], 0
+        for dtype, members in regions.items():
+            nbytes = sum(tensors[i].nbytes for i in members)
+            spans.append((dtype, [tensors[i] for i in members], end, nbytes))
+            end += -(-nbytes // _ALIGN) * _ALIGN
+        host = self._pinned_empty(max(1, end))
+        for dtype, like, off, nbytes in spans:
+            torch._foreach_copy_(_unflatten_dense_tensors(host[off : off + nbytes].view(dtype), like), like)
         dev = host.to(device, non_blocking=True)
-        for i, off in pack:
-            moved[i] = _view(dev, off, tensors[i])
+        for (dtype, like, off, nbytes), members in zip(spans, regions.values(), strict=True):
+            views = _unflatten_dense_tensors(dev[off : off + nbytes].view(dtype), like)
+            for i, v in zip(members, views, strict=True):
+                moved[i] = v
         return dev
 
     def to(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -123,12 +135,7 @@ class Stager:
             raise PinnedUnavailable(f"pinned allocation failed: {exc}") from exc
 
 
-_ALIGN = 64  # each packed tensor starts on a cache line (and at a multiple of any dtype's size)
-
-
-def _view(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``buf`` from ``offset`` as a contiguous tensor of ``like``'s dtype and shape."""
-    return buf[offset : offset + like.nbytes].view(like.dtype).view(like.shape)
+_ALIGN = 64  # each dtype's region of a packed buffer starts on a cache line (a multiple of any dtype's size)
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
