@@ -86,6 +86,9 @@ class Stager:
         tensors of one dtype lie back to back in a region of their own, so that each region's views and
         copies are one torch call for all its tensors (``_unflatten_dense_tensors``, ``_foreach_copy_``,
         as DDP's gradient buckets do), not a few per tensor."""
+        if len(pack) == 1:  # alone in its buffer: pin_memory() allocates and copies in one call
+            moved[pack[0]] = self.to(tensors[pack[0]], device)
+            return moved[pack[0]]
         regions: dict[torch.dtype, list[int]] = {}
         for i in pack:
             regions.setdefault(tensors[i].dtype, []).append(i)
