@@ -155,15 +155,16 @@ def test_a_leaf_larger_than_a_chunk_is_staged_chunk_by_chunk_exactly(monkeypatch
 
 
 def test_stats_time_the_copies():
-    data = host_batches(8, "unpinned", seed=9, rows=(8192, 8193))
-    with CudaPrefetcher(data) as warm:  # pinned memory is slow to use the first time: torch caches it
-        list(warm)
+    """One batch in ``TIME_EVERY`` has its copies timed with CUDA events: of 8 batches, batch 1 (the first
+    pays the start-up). Its bytes are the timed ones, accounted even though its copy was still in flight
+    when the epoch ended (``close()`` waits for it). The rate itself is shown by the benchmarks."""
+    data = host_batches(8, "pinned", seed=9, rows=(8192, 8193))
     with CudaPrefetcher(data) as pf:
         list(pf)
-    s = pf.stats  # close() accounted the timed copies still in flight at the epoch's end
-    assert s.batches == 8 and s.bytes == sum(
-        v.numel() * v.element_size() for b in data for v in b.values() if isinstance(v, torch.Tensor))
-    assert s.copy_s > 0 and s.h2d_GBps > 0.5
+    s = pf.stats
+    nbytes = [sum(v.nbytes for v in b.values() if isinstance(v, torch.Tensor)) for b in data]
+    assert s.batches == 8 and s.bytes == sum(nbytes)
+    assert s.timed_bytes == nbytes[1] and s.copy_s > 0 and s.h2d_GBps > 0
 
 
 def test_staged_leaves_of_every_shape_and_dtype_arrive_as_contiguous_tensors_of_their_own():
