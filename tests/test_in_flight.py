@@ -54,3 +54,15 @@ def test_collect_with_wait_waits_for_every_copy():
         flight.add(None, e, [torch.ones(1)], 0)
     flight.collect(wait=True)
     assert all(e.waited for e in ends) and not flight._queue
+
+
+def test_close_waits_for_every_copy_and_for_one_added_after_it():
+    """A copy issued while close() runs on another thread is waited for as it is added, not left behind."""
+    flight = InFlight(PrefetchStats())
+    before = FakeEvent()
+    flight.add(None, before, [torch.ones(1)], 0)
+    flight.close()
+    assert before.waited and not flight._queue
+    after = FakeEvent()
+    flight.add(None, after, [torch.ones(1)], 0)
+    assert after.waited and not flight._queue

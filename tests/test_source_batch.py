@@ -181,3 +181,27 @@ def test_a_failing_device_read_raises_at_its_batch_and_the_reads_ahead_end():
     chain.cancel()  # batches 4-6, started ahead: those running end before the reader threads stop, the rest
     assert src.busy == 0 and 4 <= len(src.calls) <= 7  # are cancelled
     wait_no_threads()
+
+
+def test_a_successor_that_cannot_start_fails_at_its_own_batch_and_no_read_keeps_a_delivered_batch():
+    src = DeviceSource(delay=0.0)
+    chain = EpochReads(src, plan_batches(len(src), 10), threads=4)
+    copier = device_copier()
+    calls = {"n": 0}
+
+    def failing_sync():  # the fences of batches 0 and 1 pass; from batch 2 on the device is out of memory
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise RuntimeError("out of device memory (simulated)")
+
+    copier.stream.synchronize = failing_sync
+    got = []
+    try:
+        got.append(chain.take(0)._read_device(copier, STOP)["y"][0].item())  # batch 2 failed to start ahead
+        assert chain.get(0)._device_out == {}  # handed over, not kept
+        got.append(chain.take(1)._read_device(copier, STOP)["y"][0].item())
+        with pytest.raises(RuntimeError, match="out of device memory"):
+            chain.take(2)._read_device(copier, STOP)  # its own start, in its turn, raises
+    finally:
+        chain.cancel()
+    assert got == [0, 10]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpufeed.pinned_pool import PinnedPool
-from gpufeed.staging import Stager
+from gpufeed.staging import PACK_BYTES, PACK_LEAF_BYTES, Stager
 
 STOP = threading.Event()
 
@@ -80,20 +80,21 @@ def _leaves():
 
 @pytest.mark.parametrize("chunk_bytes", [4096, 20_000, 1 << 20])
 def test_stage_packs_small_tensors_and_delivers_each_exact_and_on_its_own(chunk_bytes):
-    leaves = _leaves()
+    leaves = [*_leaves(), torch.arange(PACK_LEAF_BYTES // 4 + 1, dtype=torch.int32)]  # one too big to pack
     moved, allocations = Stager(chunk_bytes, pin=False).stage(leaves, torch.device("cpu"))
     for t, m in zip(leaves, moved, strict=True):
         assert torch.equal(m, t) and m.dtype == t.dtype and m.shape == t.shape and m.is_contiguous()
-    slots = [-(-t.nbytes // 64) * 64 for t in leaves]
-    big = [s for t, s in zip(leaves, slots, strict=True) if t.nbytes > chunk_bytes]
-    small = sum(s for t, s in zip(leaves, slots, strict=True) if t.nbytes <= chunk_bytes)
-    assert len(allocations) >= len(big) + -(-small // chunk_bytes)  # no buffer holds more than a chunk
+    limit = min(chunk_bytes, PACK_BYTES)
+    alone = [t for t in leaves if t.nbytes > min(PACK_LEAF_BYTES, limit)]
+    packed = sum(-(-t.nbytes // 64) * 64 for t in leaves if t.nbytes <= min(PACK_LEAF_BYTES, limit))
+    assert len(allocations) >= len(alone) + -(-packed // limit)  # no buffer holds more than its limit
+    assert max(a.nbytes for a in allocations) <= max(limit, max(t.nbytes for t in alone))
     if chunk_bytes == 1 << 20:
-        assert len(allocations) == 1  # every leaf in one buffer
+        assert len(allocations) == 2  # the big one alone, every other leaf in one buffer
     views = {m.untyped_storage().data_ptr() for m in moved if m.numel()}
     assert views <= {a.untyped_storage().data_ptr() for a in allocations}  # views of the allocations
     for m in moved:
-        assert m.data_ptr() % m.element_size() == 0  # aligned for its dtype
+        assert m.numel() == 0 or m.data_ptr() % 64 == 0  # each on a cache line
     moved[1].fill_(0)  # a view of the same buffer as its neighbours: they stay intact
     assert all(torch.equal(m, t) for m, t in zip(moved[2:], leaves[2:], strict=True))
     assert torch.equal(moved[0], leaves[0])
@@ -105,3 +106,12 @@ def test_stage_sends_a_tensor_larger_than_a_chunk_alone_in_chunks():
     moved, allocations = Stager(4096, pin=False).stage([small, big, small], torch.device("cpu"))
     assert torch.equal(moved[1], big) and torch.equal(moved[0], small) and torch.equal(moved[2], small)
     assert len(allocations) == 2 and allocations[0] is moved[1]  # the big one, then one buffer of both smalls
+
+
+def test_a_packed_buffer_holds_at_most_pack_bytes():
+    """A leaf the loop keeps keeps its buffer alive: no buffer is larger than PACK_BYTES."""
+    leaves = [torch.full((PACK_LEAF_BYTES // 8,), i, dtype=torch.int64) for i in range(40)]  # 40 x 64 KiB
+    moved, allocations = Stager(32 << 20, pin=False).stage(leaves, torch.device("cpu"))
+    assert all(torch.equal(m, t) for m, t in zip(moved, leaves, strict=True))
+    assert len(allocations) == -(-40 * PACK_LEAF_BYTES // PACK_BYTES) and all(
+        a.nbytes <= PACK_BYTES for a in allocations)

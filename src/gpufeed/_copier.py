@@ -69,11 +69,21 @@ class InFlight:
         self._queue: collections.deque[
             tuple[torch.cuda.Event | None, torch.cuda.Event, list[torch.Tensor], int]] = collections.deque()
         self._lock = threading.Lock()  # a stopped epoch's thread may still collect beside the next epoch
+        self._closed = False
 
     def add(self, start: torch.cuda.Event | None, end: torch.cuda.Event, read: list[torch.Tensor],
             nbytes: int) -> None:
         with self._lock:
-            self._queue.append((start, end, read, nbytes))
+            if not self._closed:
+                self._queue.append((start, end, read, nbytes))
+                return
+        end.synchronize()  # closed (a copy issued while close() ran on another thread): nothing collects it
+
+    def close(self) -> None:
+        """Wait for every copy, and for those added from now on as they are added."""
+        with self._lock:
+            self._closed = True
+        self.collect(wait=True)
 
     def collect(self, wait: bool = False) -> None:
         """Account the copy time of the batches whose copies completed (all of them, waiting, with

@@ -15,7 +15,8 @@ read one batch per read instead, since it spreads a read over the device or its 
 Invariants: a batch starts its successor only after all of its own chunks hold buffers, and a start
 that finds the pool empty stops (it never blocks), so a successor can never hold buffers the current
 batch is waiting for. At most one batch is read ahead into pinned memory beyond ``depth``, and at most
-``threads - 1`` into device memory.
+``threads - 1`` into device memory (beyond ``depth``: such a source holds up to ``threads - 1`` more
+batches on the device). A successor's read that cannot start fails at that batch, not at this one.
 """
 
 from __future__ import annotations
@@ -238,13 +239,17 @@ class SourceBatch(ReadRequest):
             succ = self.chain.get(i)
             if succ is None:
                 break
-            succ.start_device(copier)
+            try:
+                succ.start_device(copier)
+            except Exception:  # (out of device memory ...) raised again by that batch's own start, in turn
+                break
         try:
             _result(self._device_read, stop)
         except BaseException:
             self.cancel()
             raise
-        return self._device_out
+        out, self._device_out = self._device_out, {}  # the consumer's from now on: not kept here
+        return out
 
     def start_device(self, copier: Copier) -> None:
         """Submit this batch's one read into device tensors allocated now (on the copy stream, current on

@@ -230,7 +230,7 @@ class CudaPrefetcher:
             it._shutdown("the CudaPrefetcher was closed")
         if self._cuda:
             try:
-                self._in_flight.collect(wait=True)
+                self._in_flight.close()
             except Exception:  # a broken CUDA context: nothing left to wait for
                 pass
         self._pool.clear()

@@ -12,6 +12,7 @@ it). A BatchSource's reads use :class:`~gpufeed.pinned_pool.PinnedPool` instead.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -31,13 +32,14 @@ class PinnedUnavailable(RuntimeError):
 class Stager:
     """Copies pageable host tensors to the device through pinned memory, on the current stream.
 
-    :meth:`stage` packs a batch's tensors of at most ``chunk_bytes`` into pinned buffers of up to
-    ``chunk_bytes`` and sends each buffer with one ``non_blocking`` copy; the device tensors are views of
+    :meth:`stage` packs a batch's tensors of at most ``PACK_LEAF_BYTES`` into pinned buffers of up to
+    ``PACK_BYTES`` and sends each buffer with one ``non_blocking`` copy; those device tensors are views of
     one device allocation per buffer. Every torch call costs microseconds, so a batch of many small
-    tensors pays one allocation and one copy per buffer instead of one each per tensor. A larger tensor is
-    cut into chunks of ``chunk_bytes``, each pinned and sent in turn, so the fill of chunk ``i + 1``
-    overlaps the copy of chunk ``i`` on the link. torch's allocator hands a pinned block out again only
-    after the event that its ``non_blocking`` copy recorded has completed.
+    tensors pays one allocation and one copy per buffer instead of one each per tensor. Larger tensors,
+    and a tensor alone in its buffer, go one by one through ``pin_memory()``; one larger than
+    ``chunk_bytes`` is cut into chunks of ``chunk_bytes``, each pinned and sent in turn, so the fill of
+    chunk ``i + 1`` overlaps the copy of chunk ``i`` on the link. torch's allocator hands a pinned block
+    out again only after the event that its ``non_blocking`` copy recorded has completed.
 
     Example:
         >>> stager = Stager(chunk_bytes=4096, pin=False)
@@ -64,18 +66,20 @@ class Stager:
         """
         moved: list[torch.Tensor] = list(tensors)
         allocations: list[torch.Tensor] = []
+        limit = min(self.chunk_bytes, PACK_BYTES)
         pack: list[int] = []  # the tensors of the next buffer
-        size = 0  # their bytes, with room to align each dtype's region
+        size = 0  # their bytes, each rounded up to _ALIGN
         for i, t in enumerate(tensors):
-            if t.nbytes > self.chunk_bytes:
+            if t.nbytes > min(PACK_LEAF_BYTES, limit):
                 moved[i] = self.to(t, device)
                 allocations.append(moved[i])
                 continue
-            if pack and size + t.nbytes + _ALIGN > self.chunk_bytes:
+            slot = -(-t.nbytes // _ALIGN) * _ALIGN
+            if pack and size + slot > limit:
                 allocations.append(self._send(tensors, pack, device, moved))
                 pack, size = [], 0
             pack.append(i)
-            size += t.nbytes + _ALIGN
+            size += slot
         if pack:
             allocations.append(self._send(tensors, pack, device, moved))
         return moved, allocations
@@ -83,9 +87,10 @@ class Stager:
     def _send(self, tensors: list[torch.Tensor], pack: list[int], device: torch.device,
               moved: list[torch.Tensor]) -> torch.Tensor:
         """Copy the tensors of ``pack`` into one pinned buffer, send it, and set their device views. The
-        tensors of one dtype lie back to back in a region of their own, so that each region's views and
-        copies are one torch call for all its tensors (``_unflatten_dense_tensors``, ``_foreach_copy_``,
-        as DDP's gradient buckets do), not a few per tensor."""
+        tensors of one dtype lie in a region of their own, each at an ``_ALIGN``-aligned offset (padding
+        between them is described by meta tensors), so that each region's views and copies are one torch
+        call for all its tensors (``_unflatten_dense_tensors``, ``_foreach_copy_``, as DDP's gradient
+        buckets do), not a few per tensor."""
         if len(pack) == 1:  # alone in its buffer: pin_memory() allocates and copies in one call
             moved[pack[0]] = self.to(tensors[pack[0]], device)
             return moved[pack[0]]
@@ -94,16 +99,25 @@ class Stager:
             regions.setdefault(tensors[i].dtype, []).append(i)
         spans, end = [], 0
         for dtype, members in regions.items():
-            nbytes = sum(tensors[i].nbytes for i in members)
-            spans.append((dtype, [tensors[i] for i in members], end, nbytes))
-            end += -(-nbytes // _ALIGN) * _ALIGN
+            layout: list[torch.Tensor] = []  # each tensor, then the padding to the next aligned offset
+            for i in members:
+                layout.append(tensors[i])
+                pad = -tensors[i].nbytes % _ALIGN
+                if pad:
+                    layout.append(_padding(pad // tensors[i].element_size(), dtype))
+            nbytes = sum(t.nbytes for t in layout)
+            spans.append((dtype, members, layout, end, nbytes))
+            end += nbytes
         host = self._pinned_empty(max(1, end))
-        for dtype, like, off, nbytes in spans:
-            torch._foreach_copy_(_unflatten_dense_tensors(host[off : off + nbytes].view(dtype), like), like)
+        for dtype, members, layout, off, nbytes in spans:
+            views = _unflatten_dense_tensors(host[off : off + nbytes].view(dtype), layout)
+            torch._foreach_copy_([v for v, t in zip(views, layout, strict=True) if not t.is_meta],
+                                 [tensors[i] for i in members])
         dev = host.to(device, non_blocking=True)
-        for (dtype, like, off, nbytes), members in zip(spans, regions.values(), strict=True):
-            views = _unflatten_dense_tensors(dev[off : off + nbytes].view(dtype), like)
-            for i, v in zip(members, views, strict=True):
+        for dtype, members, layout, off, nbytes in spans:
+            views = _unflatten_dense_tensors(dev[off : off + nbytes].view(dtype), layout)
+            leaves = [v for v, t in zip(views, layout, strict=True) if not t.is_meta]
+            for i, v in zip(members, leaves, strict=True):
                 moved[i] = v
         return dev
 
@@ -138,7 +152,19 @@ class Stager:
             raise PinnedUnavailable(f"pinned allocation failed: {exc}") from exc
 
 
-_ALIGN = 64  # each dtype's region of a packed buffer starts on a cache line (a multiple of any dtype's size)
+_ALIGN = 64  # each packed tensor starts on a cache line (a multiple of any dtype's size, and of 16 B loads)
+#: Tensors of at most this many bytes are packed: a copy of one takes about a microsecond on the link where
+#: the torch calls of a copy of its own take 10-20 us (docs/design.md).
+PACK_LEAF_BYTES = 64 << 10
+#: A packed buffer's size at most: a packed tensor the loop keeps (targets gathered for a metric) keeps the
+#: whole buffer alive on the device, so at most this much beside it.
+PACK_BYTES = 1 << 20
+
+
+@functools.lru_cache(maxsize=256)
+def _padding(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor without storage describing ``numel`` elements of padding in a packed region."""
+    return torch.empty(numel, dtype=dtype, device="meta")
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:

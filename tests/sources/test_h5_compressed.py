@@ -298,7 +298,7 @@ def test_missing_nvcomp_falls_back_to_threads_with_one_warning(tmp_path, monkeyp
     monkeypatch.setattr(_nvcomp, "load", missing)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        auto = H5Source(tmp_path / "z.h5", decode="auto")  # no nvCOMP: the reader threads, without a warning
+        auto = H5Source(tmp_path / "z.h5", decode="auto")  # the reader threads, nvCOMP or not: no warning
     assert auto.paths_taken["x"] == "gzip-cpu"
     with pytest.warns(RuntimeWarning, match=r"decoded by reader threads.*gpufeed\[nvcomp\]"):
         src = H5Source(tmp_path / "z.h5", decode="gpu")
@@ -406,15 +406,15 @@ class TestGzipGpu(SourceContract):
 @pytest.mark.cuda
 @pytest.mark.parametrize("num_threads", [1, 4])
 def test_a_prefetcher_delivers_gpu_decoded_batches_exactly_reading_ahead(tmp_path, nvcomp_gpu, num_threads):
-    """``decode="auto"`` decodes on the GPU where nvCOMP is; a SourceLoader reads up to ``num_threads``
-    batches at once, a batch per read: every shuffled batch arrives exact and once, epoch after epoch, and a
-    corrupt chunk raises at its own batch."""
+    """A SourceLoader reads a source decoding on the GPU up to ``num_threads`` batches at once, a batch per
+    read: every shuffled batch arrives exact and once, epoch after epoch, and a corrupt chunk raises at its
+    own batch."""
     from gpufeed import CudaPrefetcher, SourceLoader
 
     a = _array((600, 3, 8), "<i2")
     path = tmp_path / "z.h5"
     _write(path, {"x": (a, (16, 3, 8))}, compression="gzip", shuffle=True)
-    src = H5Source(path, decode="auto")
+    src = H5Source(path, decode="gpu")
     assert src.paths_taken["x"] == "gzip-gpu" and src.reads_to == "device"
     loader = SourceLoader(src, batch_size=40, shuffle=True, seed=3, num_threads=num_threads)
     with CudaPrefetcher(loader, depth=2) as pf:

@@ -30,25 +30,24 @@ _WARN_LOCK = threading.Lock()
 def use_gpu(decode: str, where: str) -> bool:
     """Whether gzip chunks are decoded on the GPU, for ``H5Source(decode=...)``.
 
-    ``"auto"`` and ``"gpu"``: where CUDA and nvCOMP are there (one nvCOMP call inflates a batch's chunks, and
-    a ``SourceLoader`` keeps several batches decoding at once: several times the rate of the reader threads,
-    docs/design.md). Without one, ``"auto"`` is the reader threads, and ``"gpu"`` warns once per process and
-    falls back to them, never an error. ``"cpu"``: the reader threads.
+    Only with ``"gpu"``, and only where CUDA and nvCOMP are there: a missing one warns once per process and
+    falls back to the reader threads, never an error. ``"auto"`` is the reader threads: the GPU path is
+    several times faster (docs/design.md), but it holds each batch's decoded chunks in device memory, up to
+    ``num_threads`` batches at once (for shuffled rows, a whole chunk per row), memory a training process
+    asks for, not one it should find taken.
     """
-    if decode == "cpu":
+    if decode != "gpu":
         return False
     if not torch.cuda.is_available():
-        if decode == "gpu":
-            _warn_once(f"{where}: decode='gpu' but CUDA is not available; gzip chunks are decoded by reader "
-                       "threads on the CPU")
+        _warn_once(f"{where}: decode='gpu' but CUDA is not available; gzip chunks are decoded by reader "
+                   "threads on the CPU")
         return False
     try:
         from . import _nvcomp
 
         _nvcomp.load()
     except ImportError as exc:
-        if decode == "gpu":
-            _warn_once(f"{where}: gzip chunks are decoded by reader threads on the CPU, not the GPU: {exc}")
+        _warn_once(f"{where}: gzip chunks are decoded by reader threads on the CPU, not the GPU: {exc}")
         return False
     return True
 

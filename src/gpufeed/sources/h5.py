@@ -88,11 +88,12 @@ class H5Source(HostFileSource):
         fields: dataset names (``["images", "labels"]``; a name like ``"grp/x"`` becomes field
             ``"grp/x"``), or ``{field name: dataset path}``. ``None``: every dataset of the first file.
         use_offsets: ``False`` reads everything through h5py (for comparison and debugging).
-        decode: where gzip chunks are decoded: ``"gpu"``: nvCOMP on the GPU (``pip install
-            'gpufeed[nvcomp]'``; a missing nvCOMP or CUDA warns once and decodes on the CPU); ``"cpu"``: the
-            reader threads (zlib, in parallel); ``"auto"``: the GPU where CUDA and nvCOMP are there, else
-            the reader threads, without a warning. With GPU decoding the source reads to the device: its
-            other fields are read into pinned memory and copied by the read itself.
+        decode: where gzip chunks are decoded: ``"auto"`` and ``"cpu"``: the reader threads (zlib, in
+            parallel); ``"gpu"``: nvCOMP on the GPU (``pip install 'gpufeed[nvcomp]'``), several times
+            faster, holding each batch's decoded chunks in device memory, up to ``num_threads`` batches of
+            a ``SourceLoader`` at once (docs/sources.md). A missing nvCOMP or CUDA warns once and decodes
+            on the CPU. With GPU decoding the source reads to the device: its other fields are read into
+            pinned memory and copied by the read itself.
         mmap_gather: how shuffled batches are read, as for ``RawSource`` (by default rows in the page
             cache are gathered from memory maps). It applies to the fields read by byte offset in every
             file; the others (gzip chunks decoded here, h5py) keep their path. ``True`` raises ValueError
