@@ -75,7 +75,9 @@ class SourceLoader:
         pad: repeat samples so that every rank gets as many batches as the others (see
             :func:`gpufeed.sources.plan_batches`).
         num_threads: reader threads (default: up to 8; where a CPU prefetcher has no core to spare and
-            reads on the loop's thread, that thread alone).
+            reads on the loop's thread, that thread alone). For a source that reads into device memory
+            (``reads_to == "device"``: ``H5Source(decode="gpu")``, GDS) it is also how many batches are
+            read at once, each into device memory of its own.
 
     """
 
