@@ -75,7 +75,7 @@ def _leaves():
             torch.randn(6, 4, generator=g).t(), torch.randint(0, 255, (1001,), dtype=torch.uint8),
             torch.randn(17, 3, generator=g).bfloat16(), torch.empty(0, 4),
             torch.arange(3000, dtype=torch.int16), torch.arange(6000, dtype=torch.int64)[::3],
-            torch.randn(1, generator=g).expand(50)]
+            torch.randn(1, generator=g).expand(50), torch.empty(3, 0, dtype=torch.int16)]
 
 
 @pytest.mark.parametrize("chunk_bytes", [4096, 20_000, 1 << 20])

@@ -70,6 +70,9 @@ class Stager:
         pack: list[int] = []  # the tensors of the next buffer
         size = 0  # their bytes, each rounded up to _ALIGN
         for i, t in enumerate(tensors):
+            if t.numel() == 0:  # no bytes to send (and _unflatten_dense_tensors would drop its shape)
+                moved[i] = torch.empty(t.shape, dtype=t.dtype, device=device)
+                continue
             if t.nbytes > min(PACK_LEAF_BYTES, limit):
                 moved[i] = self.to(t, device)
                 allocations.append(moved[i])
