@@ -240,11 +240,3 @@ class Copier:
             self.pool.warned = True
             warn_pageable("pinned_budget is 0" if self.pool.budget == 0 else "pinned allocation failed")
         return False
-
-    def finish(self) -> None:
-        """The epoch is ending: account the copies that completed (the rest stay in ``in_flight``)."""
-        if self.stream is not None:
-            try:
-                self.in_flight.collect()
-            except Exception:  # a CUDA error raised on the way here is the one to report
-                pass

@@ -483,13 +483,10 @@ def _deliveries(batches: Iterable[Any], copier: Copier, stop: threading.Event,
             if raw is _worker.END:
                 return
             yield copier.deliver(raw, index, stop, consumer_stream)
-    finally:
-        try:
-            if isinstance(it, types.GeneratorType):
-                it.close()  # runs its cleanup now (a source epoch returns the buffers of reads started ahead)
-            del it  # a DataLoader iterator shuts its workers down here
-        finally:
-            copier.finish()
+    finally:  # (the copies still in flight stay in the prefetcher's InFlight: the epoch does not wait)
+        if isinstance(it, types.GeneratorType):
+            it.close()  # runs its cleanup now (a source epoch returns the buffers of reads started ahead)
+        del it  # a DataLoader iterator shuts its workers down here
 
 
 def _thread_pays(gaps: list[float], fetches: list[float], gpu_busy: bool) -> bool:

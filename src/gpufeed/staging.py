@@ -103,25 +103,25 @@ class Stager:
         spans, end = [], 0
         for dtype, members in regions.items():
             layout: list[torch.Tensor] = []  # each tensor, then the padding to the next aligned offset
+            at: list[int] = []  # where each tensor is in ``layout``
             for i in members:
+                at.append(len(layout))
                 layout.append(tensors[i])
                 pad = -tensors[i].nbytes % _ALIGN
                 if pad:
                     layout.append(_padding(pad // tensors[i].element_size(), dtype))
             nbytes = sum(t.nbytes for t in layout)
-            spans.append((dtype, members, layout, end, nbytes))
+            spans.append((dtype, members, layout, at, end, nbytes))
             end += nbytes
         host = self._pinned_empty(max(1, end))
-        for dtype, members, layout, off, nbytes in spans:
+        for dtype, members, layout, at, off, nbytes in spans:
             views = _unflatten_dense_tensors(host[off : off + nbytes].view(dtype), layout)
-            torch._foreach_copy_([v for v, t in zip(views, layout, strict=True) if not t.is_meta],
-                                 [tensors[i] for i in members])
+            torch._foreach_copy_([views[j] for j in at], [tensors[i] for i in members])
         dev = host.to(device, non_blocking=True)
-        for dtype, members, layout, off, nbytes in spans:
+        for dtype, members, layout, at, off, nbytes in spans:
             views = _unflatten_dense_tensors(dev[off : off + nbytes].view(dtype), layout)
-            leaves = [v for v, t in zip(views, layout, strict=True) if not t.is_meta]
-            for i, v in zip(members, leaves, strict=True):
-                moved[i] = v
+            for i, j in zip(members, at, strict=True):
+                moved[i] = views[j]
         return dev
 
     def to(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:

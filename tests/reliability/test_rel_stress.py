@@ -319,7 +319,6 @@ def staged_epoch(src, plan, budget, chunk, threads, stop):
             yield out
     finally:
         chain.cancel()
-        copier.finish()
     assert sum(b.nbytes for b in pool._free) == pool.allocated  # every buffer came back
     assert pool.allocated <= max(pool.budget, max((b.nbytes for b in pool._free), default=0))
 
