@@ -31,8 +31,8 @@ def run(args: argparse.Namespace) -> int:
         with warnings.catch_warnings():  # skipped datasets are listed below, not as a Python warning
             warnings.simplefilter("ignore", RuntimeWarning)
             path = Path(convert_h5_to_raw(args.h5, args.outdir, fields=args.fields))
-    except ValueError as exc:  # the library's advice names its keyword; here the flag is --fields
-        raise CLIError(str(exc).replace("fields=", "--fields")) from None
+    except ValueError as exc:
+        raise CLIError(_for_cli(str(exc))) from None
     seconds = time.perf_counter() - t0
     fresh = before is None or path.stat().st_mtime_ns != before
     doc = json.loads(path.read_text())
@@ -45,6 +45,13 @@ def run(args: argparse.Namespace) -> int:
         samples, dtype, file = spec.get("num_samples"), spec.get("dtype"), spec.get("file")
         say(f"  {name}: {samples} samples of {shape} {dtype} -> {file}")
     for name, why in doc.get("skipped", {}).items():
-        say(f"  {name}: skipped ({why})")
+        say(f"  {name}: skipped ({_for_cli(why)})")
     say(f"read it with RawSource({str(path)!r}) or GDSSource({str(path)!r})")
     return 0
+
+
+def _for_cli(message: str) -> str:
+    """The library's message in the CLI's words: no Python function names, the flag for the keyword."""
+    for prefix in ("convert_h5_to_raw: ", "H5Source: "):
+        message = message.replace(prefix, "")
+    return message.replace("fields=", "--fields")

@@ -59,7 +59,8 @@ def convert_h5_to_raw(
         FileNotFoundError: ``h5_path`` does not exist.
         ValueError: a named dataset is missing or cannot become raw samples (strings, objects, ...), no
             dataset can, or the fields' sample counts differ; the message names the file and the fix.
-            Nothing is written then (an output folder this call created is removed).
+            Nothing is written then: an output folder this call created is removed, and an earlier
+            conversion in the folder stays as it was.
 
     Example:
         >>> manifest = convert_h5_to_raw("train.h5", "train.raw", ["images", "labels"])  # doctest: +SKIP
@@ -92,17 +93,23 @@ def convert_h5_to_raw(
         files = _file_names(names)
         created = not out.exists()
         out.mkdir(parents=True, exist_ok=True)
+        written: dict[str, Path] = {}  # each field's new file, under a temporary name until every one is
         try:
-            if manifest.exists():
-                manifest.unlink()  # never leave an old manifest beside new data files
             total = sum(int(f[ds].size) * f[ds].dtype.itemsize for ds in names.values())
+            entries = {}
             with _Progress(total, sys.stderr.isatty() if progress is None else progress) as shown:
-                entries = {name: _convert_one(f[ds], out, files[name], align, chunk_bytes, shown.add)
-                           for name, ds in names.items()}
-        except BaseException:
-            if created:  # a failed conversion leaves nothing behind
+                for name, ds in names.items():
+                    entries[name] = _convert_one(f[ds], out, files[name], align, chunk_bytes, shown.add,
+                                                 written)
+        except BaseException:  # a failed conversion leaves nothing behind, and an earlier one as it was
+            for tmp in written.values():
+                tmp.unlink(missing_ok=True)
+            if created:
                 shutil.rmtree(out, ignore_errors=True)
             raise
+    manifest.unlink(missing_ok=True)  # never an old manifest beside new data files
+    for file, tmp in written.items():
+        os.replace(tmp, out / file)
     doc = {
         "format": _manifest.FORMAT,
         "version": _manifest.VERSION,
@@ -169,7 +176,9 @@ def _file_names(names: Mapping[str, str]) -> dict[str, str]:
 
 
 def _convert_one(dset: Any, out: Path, file: str, align: int, chunk_bytes: int,
-                 done: Callable[[int], None]) -> dict[str, Any]:
+                 done: Callable[[int], None], written: dict[str, Path]) -> dict[str, Any]:
+    """Write ``dset``'s samples to a temporary file in ``out`` (noted in ``written`` under ``file``, the
+    name it takes once every field is written) and return its manifest entry."""
     dtype = dset.dtype.newbyteorder("=") if dset.dtype.itemsize > 1 else dset.dtype
     rows = int(dset.shape[0])
     shape = tuple(int(d) for d in dset.shape[1:])
@@ -179,24 +188,19 @@ def _convert_one(dset: Any, out: Path, file: str, align: int, chunk_bytes: int,
         c = dset.chunks[0]
         step = max(c, step // c * c)
     buf = np.empty((min(step, max(rows, 1)), *shape), dtype=dtype)
-    tmp = out / f".{file}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as fh:
-            for a in range(0, rows, step):
-                k = min(step, rows - a)
-                dset.read_direct(buf, np.s_[a : a + k], np.s_[0:k])
-                fh.write(memoryview(buf[:k].reshape(-1).view(np.uint8)))
-                done(buf[:k].nbytes)
-            size = fh.tell()
-            pad = -size % align
-            if pad:
-                fh.write(b"\0" * pad)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, out / file)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    tmp = written[file] = out / f".{file}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        for a in range(0, rows, step):
+            k = min(step, rows - a)
+            dset.read_direct(buf, np.s_[a : a + k], np.s_[0:k])
+            fh.write(memoryview(buf[:k].reshape(-1).view(np.uint8)))
+            done(buf[:k].nbytes)
+        size = fh.tell()
+        pad = -size % align
+        if pad:
+            fh.write(b"\0" * pad)
+        fh.flush()
+        os.fsync(fh.fileno())
     return {
         "file": file,
         "dtype": dtype.str,

@@ -173,6 +173,35 @@ def test_bad_arguments(tmp_path):
         convert_h5_to_raw(tmp_path / "nope.h5", tmp_path / "raw")
 
 
+def test_a_conversion_failing_part_way_leaves_the_earlier_one_in_its_folder_as_it_was(tmp_path, monkeypatch):
+    """Into a folder that holds a conversion, a conversion that fails after its first field writes nothing:
+    the earlier manifest and files are intact, and no temporary file is left."""
+    _h5(tmp_path / "in.h5", _data())
+    manifest = convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")
+    before = {p: (tmp_path / "raw" / p).read_bytes() for p in os.listdir(tmp_path / "raw")}
+    data = {k: v[::-1].copy() for k, v in _data().items()}  # new contents, same shapes
+    _h5(tmp_path / "in.h5", data)
+    real, calls = h5py.Dataset.read_direct, []
+
+    def fail_on_the_second_field(self, *a, **k):
+        calls.append(self.name)
+        if len({c for c in calls}) > 1:
+            raise OSError("disk gone")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(h5py.Dataset, "read_direct", fail_on_the_second_field)
+    with pytest.raises(OSError, match="disk gone"):
+        convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")
+    after = {p: (tmp_path / "raw" / p).read_bytes() for p in os.listdir(tmp_path / "raw")}
+    assert after == before and len(set(calls)) == 2
+    monkeypatch.undo()
+    convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")  # and the next one replaces it whole
+    got = RawSource(manifest)
+    out = {k: torch.empty((len(got), *f.shape), dtype=f.dtype) for k, f in got.fields.items()}
+    got.read(range(len(got)), out)
+    assert all(np.array_equal(out[k].numpy(), data[k]) for k in out)
+
+
 def test_a_converted_file_read_directly_returns_no_padding_rows(tmp_path):
     with h5py.File(tmp_path / "in.h5", "w") as f:
         f["x"] = np.arange(16, dtype=np.float32).reshape(8, 2)  # 64 bytes, padded to 4096: 504 rows of zeros
@@ -183,6 +212,10 @@ def test_a_converted_file_read_directly_returns_no_padding_rows(tmp_path):
     out = {"x": torch.empty(8, 2)}
     src.read(range(8), out)
     assert torch.equal(out["x"], torch.arange(16.0).view(8, 2))
+    as_bytes = RawSource(tmp_path / "raw" / "x.bin", dtype="uint8", shape=())  # the same 64 bytes, by byte
+    assert len(as_bytes) == 64
+    with pytest.raises(ValueError, match="64 bytes of data"):
+        RawSource(tmp_path / "raw" / "x.bin", dtype="float32", shape=(3,))  # 12-byte samples do not fit
 
 
 def test_raw_source_selects_and_renames_the_fields_of_a_manifest_as_h5source_does(tmp_path):

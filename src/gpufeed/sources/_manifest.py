@@ -103,13 +103,16 @@ def write_atomic(path: Path, doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def rows_of(path: str) -> int | None:
-    """The samples a manifest beside ``path`` records for it, or None: a converted file is zero-padded to
-    its alignment, and that padding is not data."""
+def data_end_of(path: str) -> int | None:
+    """Where the data a manifest beside ``path`` records for it ends (its offset plus its samples' bytes),
+    or None: a converted file is zero-padded to its alignment, and that padding is not data, whatever
+    dtype and shape the file is read as."""
     beside = Path(path).with_name(NAME)
     try:
         doc = json.loads(beside.read_text())
         specs = doc.get("fields", {}).values()
-        return next(int(s["num_samples"]) for s in specs if s.get("file") == Path(path).name)
+        s = next(s for s in specs if s.get("file") == Path(path).name)
+        row = np.dtype(s["dtype"]).itemsize * int(np.prod([int(d) for d in s["shape"]], dtype=np.int64))
+        return int(s.get("offset", 0)) + int(s["num_samples"]) * row
     except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration):
         return None

@@ -218,13 +218,14 @@ def _open_one(name: str, path: str, opts: dict[str, Any]) -> tuple[Field, int, i
     off = int(opts["offset"] or 0)
     if off < 0 or off > size:
         raise ValueError(f"RawSource: offset={off} is outside {path} ({size} bytes)")
-    rows, rest = divmod(size - off, _row_bytes(field, path))
-    listed = _manifest.rows_of(path) if off == 0 else None
-    if listed is not None and listed <= rows:  # a converted file: its alignment padding is not data
-        return field, off, listed
+    end = _manifest.data_end_of(path)
+    if end is None or not off <= end <= size:  # else a converted file: its alignment padding is not data
+        end = size
+    rows, rest = divmod(end - off, _row_bytes(field, path))
     if rest:
+        what = "bytes" if end == size else "bytes of data (its manifest says where they end)"
         raise ValueError(
-            f"RawSource: {path} holds {size - off} bytes after offset {off}, not a whole number of "
+            f"RawSource: {path} holds {end - off} {what} after offset {off}, not a whole number of "
             f"{field.sample_nbytes}-byte samples ({dtype}, shape {shape}); check dtype=, shape= and offset="
         )
     return field, off, rows
