@@ -320,8 +320,28 @@ class _EpochIterator:
             if not self._done:
                 self._shutdown("")
             raise
-        now = time.perf_counter()
         stats = self._pf.stats
+        if isinstance(item, Delivered):
+            if not self._pf._started:  # an epoch counts once it hands out a batch (not a probing iter())
+                self._pf._started = True
+                self._pf._resume = None
+                self._pf._loader.epoch_started(self._pf.epoch)
+            self._pf._state = item.state
+            batch = item.handover(consumer)
+            batch = batch if self._pf._static is None else self._pf._static.fill(batch)
+            self._account(t0, stats)
+            stats.batches += 1
+            return batch
+        self._account(t0, stats)
+        self._finish()
+        if isinstance(item, _worker.Failure):
+            item.reraise()
+        raise StopIteration
+
+    def _account(self, t0: float, stats: PrefetchStats) -> None:
+        """Count the time since ``t0`` (all of ``next()``, the hand-over included) as the loop's wait, or as
+        start-up for an epoch's first batch; what the loop does between batches is the rest of ``wall_s``."""
+        now = time.perf_counter()
         if self._last_t is None:  # the pipeline starting up: not a wait of the training loop
             stats.startup_s += now - t0
         else:
@@ -330,19 +350,6 @@ class _EpochIterator:
         self._last_t = now
         if self._pf._trace is not None:
             self._pf._trace.add("wait", int(t0 * 1e9), int(now * 1e9), "consumer", batch=stats.batches)
-        if isinstance(item, Delivered):
-            if not self._pf._started:  # an epoch counts once it hands out a batch (not a probing iter())
-                self._pf._started = True
-                self._pf._resume = None
-                self._pf._loader.epoch_started(self._pf.epoch)
-            stats.batches += 1
-            self._pf._state = item.state
-            batch = item.handover(consumer)
-            return batch if self._pf._static is None else self._pf._static.fill(batch)
-        self._finish()
-        if isinstance(item, _worker.Failure):
-            item.reraise()
-        raise StopIteration
 
     def _decide(self, gap: float, consumer: torch.cuda.Stream | None) -> None:
         """Note the loop's time since the last batch, and whether the GPU is still busy with what the
