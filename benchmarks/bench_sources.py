@@ -804,10 +804,9 @@ def compute_rows(cfg: Config, data: Data, rows: list[dict[str, Any]], makers: di
     reads serialize with the default stream would show about 1 + 1/1.2.
     """
     warm = {r["method"]: r for r in rows if (r["workload"], r["cache"]) == ("raw", "warm") and "GBps" in r}
-    # Few big kernels (about 0.2 ms each on an H200), like a training step: hundreds of small launches
-    # would measure how fast the consumer thread gets the GIL past 16 reader threads, not the overlap.
-    # (8192-wide ones took 1.5 ms: on a fast host one of them was all of a batch's 1.2x, so the
-    # compute came out at 1.1x the read time and the ratio measured the rounding.)
+    # Few big kernels, like a training step: hundreds of small launches would measure how fast the
+    # consumer thread gets the GIL past 16 reader threads, not the overlap. Not one huge kernel either:
+    # the step is a whole number of kernels, and one that is the whole 1.2x would round it coarsely.
     a = torch.randn(4096, 4096, device=cfg.device, dtype=torch.bfloat16) / 64.0
     one = _time_matmuls(a, 2, cfg) / 2
     steps = len(_bounds(cfg.rows, cfg.batch_rows))

@@ -344,8 +344,8 @@ def test_doctor_json(capsys):
     assert set(doc["packages"]) == {"h5py", "kvikio", "nvtx", "torchdata", "matplotlib"}
     assert doc["packages"]["h5py"] == h5py.__version__
     assert doc["page_cache_read"]["bytes"] == 2 << 20 and doc["page_cache_read"]["threaded_GBps"] > 0
-    assert set(doc["env"]) == {"GPUFEED_NVTX", "GPUFEED_CACHE", "KVIKIO_COMPAT_MODE", "KVIKIO_NTHREADS",
-                               "CUDA_VISIBLE_DEVICES"}
+    assert set(doc["env"]) == {"GPUFEED_NVTX", "GPUFEED_TRACE", "GPUFEED_DEBUG", "GPUFEED_NATIVE_PREAD",
+                               "KVIKIO_COMPAT_MODE", "KVIKIO_NTHREADS", "CUDA_VISIBLE_DEVICES"}
     assert doc["advice"]
 
 

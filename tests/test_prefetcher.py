@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import gpufeed_threads, wait_no_threads
-from gpufeed import CudaPrefetcher, PrefetchStats, RawSource
+from gpufeed import CudaPrefetcher, PrefetchStats, RawSource, SourceLoader
 from gpufeed.prefetcher import PROBE_BATCHES
 
 Pair = namedtuple("Pair", "a b")
@@ -408,6 +408,19 @@ def test_batching_arguments_raise_and_name_where_they_belong(kwargs):
     with pytest.raises(TypeError, match=rf"CudaPrefetcher\(\) got {given}: batching belongs to the loader it "
                                         r"wraps: CudaPrefetcher\(SourceLoader\(source, .*DistributedSampler"):
         CudaPrefetcher([torch.zeros(1)], device="cpu", **kwargs)
+
+
+def test_a_pinned_budget_for_a_plain_loader_raises_and_says_where_it_applies(tmp_path):
+    """pinned_budget bounds a SourceLoader's read buffers: with another loader any value but 0 (pinned
+    staging off) would be silently ignored, so it raises; with a SourceLoader it is taken."""
+    with pytest.raises(ValueError, match=r"pinned_budget=2097152 bounds the pinned read buffers of a "
+                                         r"SourceLoader; with a list only pinned_budget=0 applies"):
+        CudaPrefetcher([torch.zeros(1)], device="cpu", pinned_budget=2 << 20)
+    CudaPrefetcher([torch.zeros(1)], device="cpu", pinned_budget=0).close()
+    np.save(tmp_path / "x.npy", np.zeros((4, 2), np.float32))
+    with CudaPrefetcher(SourceLoader(RawSource(tmp_path / "x.npy"), batch_size=2), device="cpu",
+                        pinned_budget=2 << 20) as pf:
+        assert pf._pool.budget == 2 << 20 and len(list(pf)) == 2
 
 
 def test_an_unknown_argument_is_a_type_error_that_names_it():

@@ -59,9 +59,9 @@ def collect(probe_bytes: int) -> dict[str, Any]:
         "staging_copy": {"threads": torch.get_num_threads()},
         "packages": {m: version_of(m) for m, _, _ in OPTIONAL},
         "gds": _gds(cuda),
-        "env": {k: os.environ.get(k) for k in ("GPUFEED_NVTX",
-                                               "GPUFEED_CACHE", "KVIKIO_COMPAT_MODE", "KVIKIO_NTHREADS",
-                                               "CUDA_VISIBLE_DEVICES")},
+        "env": {k: os.environ.get(k) for k in ("GPUFEED_NVTX", "GPUFEED_TRACE", "GPUFEED_DEBUG",
+                                               "GPUFEED_NATIVE_PREAD", "KVIKIO_COMPAT_MODE",
+                                               "KVIKIO_NTHREADS", "CUDA_VISIBLE_DEVICES")},
         "locked_memory_limit": _memlock(),
     }
     report["advice"] = advice(report)

@@ -32,8 +32,8 @@ _JOIN_S = 5.0
 #: An epoch's batches measured inline before it decides whether to fetch on a background thread.
 PROBE_BATCHES = 2
 #: What a background thread costs the loop per batch: the GIL and queue handoffs, and its slower staging
-#: (torch's parallel copy wakes a second OpenMP team). The A/B in docs/design.md puts the break-even
-#: between 1.7 and 6 ms on an H100 and between 1.8 and 4.6 ms on an H200.
+#: (torch's parallel copy wakes a second OpenMP team); inside the break-even that the A/B of
+#: docs/design.md ("Fetching on the loop's thread") found on both cards.
 THREAD_COST_S = 3e-3
 
 
@@ -73,8 +73,10 @@ class CudaPrefetcher:
             epoch on the loop's thread reads each batch when asked, without prefetching.
         transform: optional function applied to each batch on the device, on the copy stream (ship
             ``uint8`` and convert on the GPU: a quarter of the bytes of ``float32``).
-        pinned_budget: bytes of pinned memory a SourceLoader's reads may hold (0 disables pinned staging
-            for every loader: pageable copies, still off the loop's thread).
+        pinned_budget: bytes of pinned memory a SourceLoader's reads may hold (default 512 MiB); 0
+            disables pinned staging for any loader (pageable copies, still off the loop's thread). With
+            another loader, any other value raises: its batches are pinned by torch's caching host
+            allocator.
         chunk_bytes: a pageable tensor larger than this is staged in chunks of it, so filling one chunk
             overlaps the copy of the one before; also the size of a source's pinned buffers.
         static: deliver every batch into the same device tensors, for a captured CUDA graph; each item
@@ -127,6 +129,11 @@ class CudaPrefetcher:
         self._resume: tuple[int, int] | None = None  # (epoch, batch) to start from, after load_state_dict
         self._lock = threading.Lock()
         self._loader = WrappedLoader(source)
+        if pinned_budget is not None and pinned_budget > 0 and self._loader.source_loader is None:
+            raise ValueError(
+                f"pinned_budget={pinned_budget!r} bounds the pinned read buffers of a SourceLoader; with a "
+                f"{type(source).__name__} only pinned_budget=0 applies (no pinned staging): its batches "
+                "are pinned in torch's caching host allocator, which has no budget of its own")
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         budget = DEFAULT_PINNED_BUDGET if pinned_budget is None else int(pinned_budget)

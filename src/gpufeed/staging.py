@@ -156,8 +156,8 @@ class Stager:
 
 
 _ALIGN = 64  # each packed tensor starts on a cache line (a multiple of any dtype's size, and of 16 B loads)
-#: Tensors of at most this many bytes are packed: a copy of one takes about a microsecond on the link where
-#: the torch calls of a copy of its own take 10-20 us (docs/design.md).
+#: Tensors of at most this many bytes are packed: their time on the link is a small part of what the torch
+#: calls of a copy of their own cost (docs/design.md, "Staging pageable tensors").
 PACK_LEAF_BYTES = 64 << 10
 #: A packed buffer's size at most: a packed tensor the loop keeps (targets gathered for a metric) keeps the
 #: whole buffer alive on the device, so at most this much beside it.

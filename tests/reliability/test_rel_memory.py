@@ -80,7 +80,7 @@ def fresh_batches(n, rows=4096, seed=0):
 def test_loader_50_epochs_flat(device):
     """50 epochs of a loader with fresh tensors: RSS, objects, pool, threads, fds (and CUDA memory) flat."""
     loader = fresh_batches(8)
-    with CudaPrefetcher(loader, device=device, depth=3, chunk_bytes=256 << 10, pinned_budget=2 * MiB) as pf:
+    with CudaPrefetcher(loader, device=device, depth=3, chunk_bytes=256 << 10) as pf:
         marks = Marks(pf, device)
         # Exact integer checksums: a float sum differs between the CPU and the GPU in its last bits.
         expected = [b["x"].view(torch.int32).to(torch.int64).sum().item() for b in loader()]

@@ -2,7 +2,7 @@
 package was built with it, else a Python loop of ``os.preadv``. Both raise the same OSError naming the file.
 
 Why: a shuffled batch is thousands of short runs, and each ``os.preadv`` from Python drops and retakes the
-GIL, so the reader threads take turns at it (about 130k reads/s in all on an H100 host). A ctypes call
+GIL, so the reader threads take turns at it however many there are. A ctypes call
 releases the GIL once for all the reads of a piece (docs/design.md, "Shuffled rows"), and on Linux it first
 starts the kernel's reads of every read of a page or more that the page cache lacks, so a cold batch's
 reads are all in flight.

@@ -40,8 +40,8 @@ class GDSSource(FileSource):
       not prefer compat mode): ``reads_to == "device"``, the disk DMA-writes the VRAM buffers.
     * ``"compat"``, the usual case on cloud machines: ``reads_to == "host"``, kvikio's threads ``pread``
       into the prefetcher's pinned host buffers and gpufeed copies them on its own copy stream. kvikio's
-      own device writes in compat mode serialize with work on the legacy default stream (measured: a
-      read next to a default-stream matmul loop took the sum of both), which would stall most training
+      own device writes in compat mode serialize with work on the legacy default stream (a read next to a
+      default-stream matmul loop takes the sum of both: docs/design.md), which would stall most training
       steps; reading to host keeps the copy overlapped with compute.
 
     Every future is waited on and its byte count checked: a short read raises OSError naming the file.
@@ -52,7 +52,8 @@ class GDSSource(FileSource):
     Memory ordering (``"gds"`` mode): cuFile writes device memory outside every CUDA stream. ``read``
     returns after all bytes have landed, so they are visible to any stream that runs afterwards; the
     caller must ensure no kernel still reads the buffer being overwritten. ``CudaPrefetcher`` does: it
-    synchronizes a slot's previous consumer before passing that slot's device buffers to ``read``.
+    allocates each batch's device tensors fresh on its copy stream and waits for that stream's queued work
+    before passing them to ``read``.
 
     Not fork-safe (kvikio's thread pool does not survive ``fork``); pickling carries only paths and
     settings, and the copy opens its own ``CuFile`` handles.
@@ -134,8 +135,8 @@ class GDSSource(FileSource):
             defaults.set({"num_threads": want})  # process-wide; takes effect for later reads
         self._num_threads = want
         # In compat mode a read smaller than one kvikio task runs on one kvikio thread anyway: read it
-        # with os.preadv on the calling thread instead and skip the future's hand-off (measured: random
-        # 12 KiB rows through kvikio ran at a third of the speed of preadv).
+        # with os.preadv on the calling thread instead and skip the future's hand-off, which costs more
+        # than such a read (docs/design.md, "kvikio in compat mode").
         self._small = int(self._task_size or defaults.get("task_size")) if self._mode == "compat" else 0
         self._files = _CuFiles(self._paths)
         self._fds = FileDescriptors(self._paths)
