@@ -3,6 +3,7 @@
 import collections
 import dataclasses
 import gc
+import os
 import random
 import threading
 import time
@@ -502,3 +503,33 @@ def test_a_generator_warns_once_when_its_second_epoch_would_be_empty():
         assert list(pf) == []  # said once
     fresh = CudaPrefetcher(lambda: (torch.full((2,), i) for i in range(3)), device="cpu")
     assert [[int(b[0]) for b in fresh] for _ in range(2)] == [[0, 1, 2], [0, 1, 2]]
+
+
+def test_cyclic_garbage_is_collected_before_a_dataloader_forks_its_workers(tmp_path):
+    """A forked worker never runs the finalizers of this process's unreachable cycles: collected in a
+    worker, CUDA tensors a stream used would record an event, and a CUDA call aborts a forked child."""
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            (tmp_path / f"freed-in-{os.getpid()}").touch()
+
+    class Collects(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            gc.collect()  # what a worker's own allocations may set off at any time
+            return torch.tensor([i])
+
+    loader = torch.utils.data.DataLoader(Collects(), batch_size=2, num_workers=1,
+                                         multiprocessing_context="fork")
+    gc.disable()  # only explicit collections: the cycle survives until something collects it
+    try:
+        Cycle()
+        with CudaPrefetcher(loader, device="cpu") as pf:
+            assert [b.tolist() for b in pf] == [[[0], [1]], [[2], [3]]]
+    finally:
+        gc.enable()
+    assert [p.name for p in tmp_path.iterdir()] == [f"freed-in-{os.getpid()}"]

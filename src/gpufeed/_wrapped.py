@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import multiprocessing
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -110,6 +112,11 @@ class WrappedLoader:
                 RuntimeWarning, stacklevel=4)
             self._one_shot = False  # said once
         self._iterated = True
+        if _forks_workers(self.source):
+            # The workers fork from this process as it is, unreachable cycles included; collected in a
+            # worker, a cycle's CUDA tensors that a stream used (record_stream) record an event as they are
+            # freed, and a CUDA call in a forked child aborts it. So the cycles go here first.
+            gc.collect()
         if self.source_loader is not None:
             return _source_batches(self.source_loader, epoch, start, spare_core)
         if self._factory is not None:
@@ -117,6 +124,20 @@ class WrappedLoader:
         if self.stateful:
             return _with_state(self.source)
         return self.source
+
+
+def _forks_workers(loader: Any) -> bool:
+    """Whether iterating ``loader`` forks worker processes now (a DataLoader whose workers start by fork,
+    unless persistent ones run already)."""
+    import torch.utils.data
+
+    if not isinstance(loader, torch.utils.data.DataLoader) or loader.num_workers == 0:
+        return False
+    if loader.persistent_workers and getattr(loader, "_iterator", None) is not None:
+        return False
+    ctx = loader.multiprocessing_context
+    method = ctx.get_start_method() if ctx is not None else multiprocessing.get_start_method()
+    return method == "fork"
 
 
 class _Lazy:
