@@ -140,13 +140,17 @@ def test_depth_bounds_batches_ahead_of_the_consumer():
             assert len(pulled) == PROBE_BATCHES + 1 + depth, (depth, pulled)
 
 
-def test_consumer_wait_is_counted():
-    def slow():
-        for i in range(5):
-            time.sleep(0.02)
+def _slow(n, seconds):
+    """A loader factory: ``n`` one-element batches, each ``seconds`` in the making."""
+    def batches():
+        for i in range(n):
+            time.sleep(seconds)
             yield torch.tensor([i])
+    return batches
 
-    with CudaPrefetcher(slow, device="cpu") as pf:
+
+def test_consumer_wait_is_counted():
+    with CudaPrefetcher(_slow(5, 0.02), device="cpu") as pf:
         for _ in pf:
             time.sleep(0.002)  # the training step
     s = pf.stats
@@ -158,12 +162,7 @@ def test_consumer_wait_is_counted():
 def test_a_loop_that_does_nothing_is_not_judged_input_bound():
     """An empty loop body waits for every batch by construction: the summary says it timed the input
     alone, without a verdict."""
-    def slow():
-        for i in range(40):
-            time.sleep(0.005)
-            yield torch.tensor([i])
-
-    with CudaPrefetcher(slow, device="cpu") as pf:
+    with CudaPrefetcher(_slow(40, 0.005), device="cpu") as pf:
         for _ in pf:
             pass
     s = pf.stats
