@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpufeed._source_batch import EpochReads, regions
+from gpufeed._read_plan import regions
+from gpufeed._source_batch import EpochReads
 from gpufeed.pinned_pool import PinnedPool
 from gpufeed.sources import plan_batches
 from test_source_mode import ArraySource, OddSource
@@ -24,7 +25,7 @@ def fake_copier(budget, chunk_bytes):
 @pytest.mark.parametrize("budget", [4096, 8192, 1 << 20])  # from one buffer at a time to everything at once
 @pytest.mark.parametrize("src_cls", [ArraySource, OddSource])
 def test_staged_reads_deliver_every_byte_and_return_every_buffer(budget, src_cls, min_read, monkeypatch):
-    import gpufeed._source_batch as sb
+    import gpufeed._read_plan as sb
 
     monkeypatch.setattr(sb, "MIN_READ_BYTES", min_read)
     src = src_cls()
@@ -48,7 +49,7 @@ def test_staged_reads_deliver_every_byte_and_return_every_buffer(budget, src_cls
 
 
 def test_a_successor_started_then_abandoned_returns_its_buffers(monkeypatch):
-    import gpufeed._source_batch as sb
+    import gpufeed._read_plan as sb
 
     monkeypatch.setattr(sb, "INLINE_BYTES", 0)  # batches this small are read inline, with no successor
     src = ArraySource()

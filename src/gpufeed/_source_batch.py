@@ -1,12 +1,11 @@
 """Reading one batch of a BatchSource into gpufeed's buffers, with the next batch's reads started early.
 
-A batch is planned as *chunks* (rows ``[r0, r1)`` of every field, staged through one pinned buffer, each
-field's region cache-line aligned) and each chunk as *pieces* (rows ``[a, b)``: one ``source.read`` on a
-worker thread). :meth:`SourceBatch.start` takes pinned buffers, binds every piece to its views and
-submits the reads; :meth:`SourceBatch.read` waits for them chunk by chunk and copies each chunk to the
-device on the copy stream. Once a batch has all its reads submitted it starts its successor's, so the
-readers never idle while the fetching thread finishes a batch (docs/design.md, "Reading a
-BatchSource").
+A batch is planned as chunks, each staged through one pinned buffer, and pieces, each one
+``source.read`` (:mod:`gpufeed._read_plan`). :meth:`SourceBatch.start` takes pinned buffers, binds every
+piece to its views and submits the reads; :meth:`SourceBatch.read` waits for them chunk by chunk and
+copies each chunk to the device on the copy stream. Once a batch has all its reads submitted it starts
+its successor's, so the readers never idle while the fetching thread finishes a batch (docs/design.md,
+"Reading a BatchSource").
 
 A source that reads into device memory (``reads_to == "device"``: nvCOMP decoding, GPUDirect Storage) is
 read one batch per read instead, since it spreads a read over the device or its own threads, and up to
@@ -32,27 +31,11 @@ from typing import Any
 
 import torch
 
+from gpufeed import _read_plan
 from gpufeed._copier import Copier, Delivered
 from gpufeed._worker import Stopped
 from gpufeed.source_loader import ReadRequest
 from gpufeed.staging import PinnedUnavailable, byte_view
-
-#: The smallest read a batch is split into (a batch smaller than this is one read). Each read costs the
-#: background threads GIL handoffs, and every handoff can delay the training thread, whose torch calls
-#: each release and retake the GIL (docs/design.md, "Reading a BatchSource", has the figures).
-MIN_READ_BYTES = 4 << 20
-_ALIGN = 64  # each field's region in a staging buffer starts on a cache line (and any dtype's alignment)
-
-
-def split(total: int, piece: int) -> list[tuple[int, int]]:
-    """``[(offset, n), ...]`` covering ``range(total)`` in pieces of at most ``piece``."""
-    return [(off, min(piece, total - off)) for off in range(0, total, piece)]
-
-
-#: A staged batch that is one read this small runs on the fetching thread itself: handing it to a worker
-#: costs GIL handoffs (submit, wake, result, wake), and each can delay the training thread's next torch call.
-#: (A direct read always reads its first piece on the calling thread.)
-INLINE_BYTES = 1 << 20
 
 
 def run_now(job: Callable[[], Any]) -> Future:
@@ -88,15 +71,6 @@ def _result(fut: Future, stop: threading.Event | None, swallow: bool = False) ->
             if swallow:
                 return None
             raise
-
-
-def regions(fields: Any, nrows: int) -> tuple[dict[str, int], int]:
-    """Byte offsets of each field's ``nrows`` rows inside one staging buffer, and the buffer's size."""
-    offsets, off = {}, 0
-    for k, f in fields.items():
-        offsets[k] = off
-        off += -(-(nrows * f.sample_nbytes) // _ALIGN) * _ALIGN
-    return offsets, off
 
 
 class EpochReads:
@@ -147,7 +121,7 @@ class SourceBatch(ReadRequest):
 
     def __init__(self, source: Any, rows: Any, chain: EpochReads, index: int = 0) -> None:
         self.source, self.rows, self.chain, self.index = source, rows, chain, index
-        self._plan: list[tuple[int, int, dict[str, int], int, list[tuple[int, int]]]] | None = None
+        self._plan: list[_read_plan.Chunk] | None = None
         self._next = 0  # chunks of the plan that have a buffer and submitted reads
         self._entries: collections.deque[tuple[Any, Any, list[Any]]] = collections.deque()
         self._copier: Copier | None = None
@@ -160,7 +134,8 @@ class SourceBatch(ReadRequest):
         """Submit the reads of every chunk a buffer is free for; True when every chunk is submitted."""
         self._copier = copier
         if self._plan is None:
-            self._plan = self._make_plan(copier)
+            self._plan = _read_plan.plan(self.source.fields, len(self.rows), self.chain.threads,
+                                         copier.pool.chunk_bytes, copier.pool.fill_bytes)
         pool, executor = copier.pool, self.chain.executor
         while self._next < len(self._plan):
             r0, _, offsets, nbytes, pieces = self._plan[self._next]
@@ -271,7 +246,8 @@ class SourceBatch(ReadRequest):
             t.copy_(host[k])
 
     def _read_direct(self, copier: Copier, out: dict[str, torch.Tensor], stop: threading.Event) -> None:
-        pieces = self._pieces(0, len(self.rows), self._row_bytes(), None)  # no staging buffer to fit
+        n, row = len(self.rows), _read_plan.row_bytes(self.source.fields)
+        pieces = _read_plan.pieces(0, n, n, self.chain.threads, row, None)  # no staging buffer to fit
         jobs = [functools.partial(self.source.read, self.rows[a:b], {k: t[a:b] for k, t in out.items()})
                 for a, b in pieces]
         futs = [self.chain.executor.submit(j) for j in jobs[1:]]
@@ -286,33 +262,8 @@ class SourceBatch(ReadRequest):
     # -- planning ----------------------------------------------------------------------------------
 
     def _one_small_read(self) -> bool:
-        """A staged batch read on the fetching thread itself: one small read (see ``INLINE_BYTES``)."""
-        plan = self._plan or ()
-        return len(plan) == 1 and len(plan[0][4]) == 1 and plan[0][3] <= INLINE_BYTES
-
-    def _row_bytes(self) -> int:
-        return max(1, sum(f.sample_nbytes for f in self.source.fields.values()))
-
-    def _pieces(self, r0: int, r1: int, row_bytes: int, fill_bytes: int | None) -> list[tuple[int, int]]:
-        # One read per worker thread for the batch, so every thread reads (like a 16-thread pread), but
-        # none under MIN_READ_BYTES: each read wakes a thread that takes the GIL, which a launch-bound
-        # training step (the consumer) waits for; small batches are read by one thread. A read into a
-        # staging buffer also fits one worker's share of it (``fill_bytes``).
-        per_thread = -(-len(self.rows) // self.chain.threads)
-        per = max(per_thread, MIN_READ_BYTES // row_bytes)
-        if fill_bytes is not None:
-            per = min(fill_bytes // row_bytes, per)
-        return [(r0 + a, r0 + a + k) for a, k in split(r1 - r0, max(1, per))]
-
-    def _make_plan(self, copier: Copier) -> list[Any]:
-        row_bytes = self._row_bytes()
-        per_chunk = max(1, copier.pool.chunk_bytes // row_bytes)
-        plan = []
-        for r0, k in split(len(self.rows), per_chunk):
-            offsets, nbytes = regions(self.source.fields, k)
-            pieces = self._pieces(r0, r0 + k, row_bytes, copier.pool.fill_bytes)
-            plan.append((r0, r0 + k, offsets, nbytes, pieces))
-        return plan
+        """A staged batch read on the fetching thread itself (``_read_plan.INLINE_BYTES``)."""
+        return _read_plan.one_small_read(self._plan or [])
 
     def _bind(self, buf: Any, offsets: dict[str, int], r0: int, pieces: list[tuple[int, int]]) -> list[Any]:
         """One read job per piece, each with its views into ``buf``. The views are cached on the buffer

@@ -1,0 +1,70 @@
+"""How a batch of a BatchSource is cut into reads: *chunks* (rows ``[r0, r1)`` of every field, staged
+through one pinned buffer, each field's region cache-line aligned) and *pieces* (rows ``[a, b)`` of a
+chunk: one ``source.read`` on a reader thread).
+
+A plan is a list of chunks ``(r0, r1, offsets, nbytes, pieces)``: the chunk's rows, each field's byte
+offset in its buffer, the buffer's size, and the pieces' rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: The smallest read a batch is split into (a batch smaller than this is one read). Each read costs the
+#: background threads GIL handoffs, and every handoff can delay the training thread, whose torch calls
+#: each release and retake the GIL (docs/design.md, "Reading a BatchSource", has the figures).
+MIN_READ_BYTES = 4 << 20
+#: A staged batch that is one read this small runs on the fetching thread itself: handing it to a worker
+#: costs GIL handoffs (submit, wake, result, wake), and each can delay the training thread's next torch call.
+#: (A direct read always reads its first piece on the calling thread.)
+INLINE_BYTES = 1 << 20
+_ALIGN = 64  # each field's region in a staging buffer starts on a cache line (and any dtype's alignment)
+
+Chunk = tuple[int, int, dict[str, int], int, list[tuple[int, int]]]
+
+
+def split(total: int, piece: int) -> list[tuple[int, int]]:
+    """``[(offset, n), ...]`` covering ``range(total)`` in pieces of at most ``piece``."""
+    return [(off, min(piece, total - off)) for off in range(0, total, piece)]
+
+
+def regions(fields: Any, nrows: int) -> tuple[dict[str, int], int]:
+    """Byte offsets of each field's ``nrows`` rows inside one staging buffer, and the buffer's size."""
+    offsets, off = {}, 0
+    for k, f in fields.items():
+        offsets[k] = off
+        off += -(-(nrows * f.sample_nbytes) // _ALIGN) * _ALIGN
+    return offsets, off
+
+
+def row_bytes(fields: Any) -> int:
+    """The bytes of one sample of every field together."""
+    return max(1, sum(f.sample_nbytes for f in fields.values()))
+
+
+def pieces(r0: int, r1: int, nrows: int, threads: int, row: int,
+           fill_bytes: int | None) -> list[tuple[int, int]]:
+    """The reads of rows ``[r0, r1)`` of a batch of ``nrows`` rows of ``row`` bytes: one per reader thread
+    for the batch, so every thread reads (like a 16-thread pread), but none under ``MIN_READ_BYTES`` (each
+    read wakes a thread that takes the GIL, which a launch-bound training step waits for; small batches
+    are read by one thread). A read into a staging buffer also fits one worker's share of it
+    (``fill_bytes``)."""
+    per = max(-(-nrows // threads), MIN_READ_BYTES // row)
+    if fill_bytes is not None:
+        per = min(fill_bytes // row, per)
+    return [(r0 + a, r0 + a + k) for a, k in split(r1 - r0, max(1, per))]
+
+
+def plan(fields: Any, nrows: int, threads: int, chunk_bytes: int, fill_bytes: int) -> list[Chunk]:
+    """The chunks of a batch of ``nrows`` rows staged through buffers of ``chunk_bytes``."""
+    row = row_bytes(fields)
+    out = []
+    for r0, k in split(nrows, max(1, chunk_bytes // row)):
+        offsets, nbytes = regions(fields, k)
+        out.append((r0, r0 + k, offsets, nbytes, pieces(r0, r0 + k, nrows, threads, row, fill_bytes)))
+    return out
+
+
+def one_small_read(chunks: list[Chunk]) -> bool:
+    """Whether a staged batch is one read of at most ``INLINE_BYTES`` (read on the fetching thread)."""
+    return len(chunks) == 1 and len(chunks[0][4]) == 1 and chunks[0][3] <= INLINE_BYTES
