@@ -159,6 +159,12 @@ def test_consumer_wait_is_counted():
     assert s.input_bound and s.summary().startswith("[INPUT-BOUND] 5 batches")
 
 
+def test_a_loop_of_fewer_than_two_batches_gets_no_verdict():
+    with CudaPrefetcher([torch.zeros(1)], device="cpu") as pf:
+        list(pf)
+    assert pf.stats.summary().startswith("[no verdict: fewer than two batches timed] 1 batches")
+
+
 def test_a_loop_that_does_nothing_is_not_judged_input_bound():
     """An empty loop body waits for every batch by construction: the summary says it timed the input
     alone, without a verdict."""
@@ -522,13 +528,18 @@ def test_cyclic_garbage_is_collected_before_a_dataloader_forks_its_workers(tmp_p
             gc.collect()  # what a worker's own allocations may set off at any time
             return torch.tensor([i])
 
-    loader = torch.utils.data.DataLoader(Collects(), batch_size=2, num_workers=1,
-                                         multiprocessing_context="fork")
-    gc.disable()  # only explicit collections: the cycle survives until something collects it
-    try:
-        Cycle()
-        with CudaPrefetcher(loader, device="cpu") as pf:
-            assert [b.tolist() for b in pf] == [[[0], [1]], [[2], [3]]]
-    finally:
-        gc.enable()
-    assert [p.name for p in tmp_path.iterdir()] == [f"freed-in-{os.getpid()}"]
+    def loader():
+        return torch.utils.data.DataLoader(Collects(), batch_size=2, num_workers=1,
+                                           multiprocessing_context="fork")
+
+    for wrapped in (loader(), loader):  # a DataLoader, and a callable that makes one each epoch
+        for p in tmp_path.iterdir():
+            p.unlink()
+        gc.disable()  # only explicit collections: the cycle survives until something collects it
+        try:
+            Cycle()
+            with CudaPrefetcher(wrapped, device="cpu") as pf:
+                assert [b.tolist() for b in pf] == [[[0], [1]], [[2], [3]]]
+        finally:
+            gc.enable()
+        assert [p.name for p in tmp_path.iterdir()] == [f"freed-in-{os.getpid()}"], wrapped

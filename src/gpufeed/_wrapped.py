@@ -112,18 +112,23 @@ class WrappedLoader:
                 RuntimeWarning, stacklevel=4)
             self._one_shot = False  # said once
         self._iterated = True
-        if _forks_workers(self.source):
-            # The workers fork from this process as it is, unreachable cycles included; collected in a
-            # worker, a cycle's CUDA tensors that a stream used (record_stream) record an event as they are
-            # freed, and a CUDA call in a forked child aborts it. So the cycles go here first.
-            gc.collect()
         if self.source_loader is not None:
             return _source_batches(self.source_loader, epoch, start, spare_core)
         if self._factory is not None:
             return _Lazy(self._factory)
+        _collect_before_fork(self.source)
         if self.stateful:
             return _with_state(self.source)
         return self.source
+
+
+def _collect_before_fork(loader: Any) -> None:
+    """Collect this process's unreachable cycles if iterating ``loader`` forks workers now. The workers
+    fork from this process as it is, cycles included; collected in a worker, a cycle's CUDA tensors that a
+    stream used (``record_stream``) record an event as they are freed, and a CUDA call aborts a forked
+    child."""
+    if _forks_workers(loader):
+        gc.collect()
 
 
 def _forks_workers(loader: Any) -> bool:
@@ -145,7 +150,9 @@ class _Lazy:
         self.factory = factory
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self.factory())
+        loader = self.factory()
+        _collect_before_fork(loader)
+        return iter(loader)
 
 
 def _source_batches(loader: Any, epoch: int, start: int, spare_core: bool) -> Iterator[WithState]:

@@ -60,7 +60,9 @@ def convert_h5_to_raw(
         ValueError: a named dataset is missing or cannot become raw samples (strings, objects, ...), no
             dataset can, or the fields' sample counts differ; the message names the file and the fix.
             Nothing is written then: an output folder this call created is removed, and an earlier
-            conversion in the folder stays as it was.
+            conversion in the folder stays as it was (the new files are written beside it, so the disk
+            holds both until they are renamed into place; a rename that fails leaves the folder without
+            a manifest).
 
     Example:
         >>> manifest = convert_h5_to_raw("train.h5", "train.raw", ["images", "labels"])  # doctest: +SKIP
@@ -107,9 +109,6 @@ def convert_h5_to_raw(
             if created:
                 shutil.rmtree(out, ignore_errors=True)
             raise
-    manifest.unlink(missing_ok=True)  # never an old manifest beside new data files
-    for file, tmp in written.items():
-        os.replace(tmp, out / file)
     doc = {
         "format": _manifest.FORMAT,
         "version": _manifest.VERSION,
@@ -120,8 +119,24 @@ def convert_h5_to_raw(
         "fields": entries,
         "skipped": skipped,
     }
-    _manifest.write_atomic(manifest, doc)
+    _move_into_place(out, manifest, written, doc)
     return manifest
+
+
+def _move_into_place(out: Path, manifest: Path, written: dict[str, Path], doc: dict[str, Any]) -> None:
+    """Rename every field's new file, then the new manifest, into place: only a rename can fail here, and
+    it leaves the folder without a manifest (never an old one beside new data files) and no temporaries."""
+    temps = [*written.values()]
+    try:
+        temps.append(_manifest.write_temp(manifest, doc))
+        manifest.unlink(missing_ok=True)
+        for file, tmp in written.items():
+            os.replace(tmp, out / file)
+        os.replace(temps[-1], manifest)
+    except BaseException:
+        for tmp in temps:
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 def _convertible(h5py: Any, f: Any, names: dict[str, str], src: str, every: bool

@@ -333,10 +333,12 @@ class _EpochIterator:
                 self._pf._started = True
                 self._pf._resume = None
                 self._pf._loader.epoch_started(self._pf.epoch)
-            self._pf._state = item.state
             batch = item.handover(consumer)
-            batch = batch if self._pf._static is None else self._pf._static.fill(batch)
-            self._account(t0, stats)
+            try:
+                batch = batch if self._pf._static is None else self._pf._static.fill(batch)
+            finally:
+                self._account(t0, stats)
+            self._pf._state = item.state
             stats.batches += 1
             return batch
         self._account(t0, stats)
@@ -367,6 +369,7 @@ class _EpochIterator:
             mark = torch.cuda.Event()
             mark.record(consumer)
             self._gpu_busy = not mark.query()
+            self._pf.stats.gpu_busy |= self._gpu_busy
         if len(self._gaps) < PROBE_BATCHES:
             return
         if self._fetches and _thread_pays(self._gaps, self._fetches, self._gpu_busy) and not self._ended():

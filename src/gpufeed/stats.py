@@ -46,6 +46,9 @@ class PrefetchStats:
     timed_bytes: int = 0
     staged_bytes: int = 0
     threaded_batches: int = 0
+    #: The loop's GPU work was still running when it asked for a batch (sampled on each epoch's first
+    #: batches, on CUDA).
+    gpu_busy: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -71,8 +74,10 @@ class PrefetchStats:
 
     @property
     def loop_did_work(self) -> bool:
-        """Whether the loop's body did anything between batches: more than ``EMPTY_LOOP_US`` a batch."""
-        return self.loop_us > EMPTY_LOOP_US
+        """Whether the loop's body did anything between batches: more than ``EMPTY_LOOP_US`` a batch on
+        the CPU, or work the GPU was still running when the loop asked for a batch (a replayed CUDA graph
+        takes the CPU microseconds)."""
+        return self.gpu_busy or self.loop_us > EMPTY_LOOP_US
 
     @property
     def input_bound(self) -> bool:
@@ -95,7 +100,7 @@ class PrefetchStats:
 
     def as_dict(self) -> dict[str, float]:
         keys = ("batches", "bytes", "wait_s", "wall_s", "startup_s", "fetch_s", "stage_s", "copy_s",
-                "timed_bytes", "staged_bytes", "threaded_batches")
+                "timed_bytes", "staged_bytes", "threaded_batches", "gpu_busy")
         d: dict[str, float] = {k: getattr(self, k) for k in keys}
         d.update(stall_fraction=self.stall_fraction, h2d_GBps=self.h2d_GBps,
                  stage_GBps=self.stage_GBps, throughput_GBps=self.throughput_GBps)
@@ -103,7 +108,9 @@ class PrefetchStats:
 
     def summary(self) -> str:
         """One line: input-bound or not, and the figures that say why."""
-        if not self.loop_did_work:
+        if self.batches < 2:
+            verdict = "no verdict: fewer than two batches timed"
+        elif not self.loop_did_work:
             verdict = f"input alone: the loop did no work ({self.loop_us:.0f} us a batch), no verdict"
         else:
             verdict = "INPUT-BOUND" if self.input_bound else "ok"

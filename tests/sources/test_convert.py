@@ -181,6 +181,8 @@ def test_a_conversion_failing_part_way_leaves_the_earlier_one_in_its_folder_as_i
     before = {p: (tmp_path / "raw" / p).read_bytes() for p in os.listdir(tmp_path / "raw")}
     data = {k: v[::-1].copy() for k, v in _data().items()}  # new contents, same shapes
     _h5(tmp_path / "in.h5", data)
+    st = os.stat(tmp_path / "in.h5")
+    os.utime(tmp_path / "in.h5", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # changed, whatever the clock
     real, calls = h5py.Dataset.read_direct, []
 
     def fail_on_the_second_field(self, *a, **k):
@@ -202,6 +204,27 @@ def test_a_conversion_failing_part_way_leaves_the_earlier_one_in_its_folder_as_i
     assert all(np.array_equal(out[k].numpy(), data[k]) for k in out)
 
 
+def test_a_rename_that_fails_leaves_no_manifest_and_no_temporary_file(tmp_path, monkeypatch):
+    _h5(tmp_path / "in.h5", _data())
+    convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")
+    _h5(tmp_path / "in.h5", {k: v[::-1].copy() for k, v in _data().items()})
+    st = os.stat(tmp_path / "in.h5")
+    os.utime(tmp_path / "in.h5", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    real, renames = os.replace, []
+
+    def second_fails(a, b):
+        renames.append(b)
+        if len(renames) == 2:
+            raise OSError("rename failed")
+        return real(a, b)
+
+    monkeypatch.setattr(os, "replace", second_fails)
+    with pytest.raises(OSError, match="rename failed"):
+        convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")
+    left = sorted(os.listdir(tmp_path / "raw"))
+    assert "manifest.json" not in left and not [p for p in left if ".tmp-" in p], left
+
+
 def test_a_converted_file_read_directly_returns_no_padding_rows(tmp_path):
     with h5py.File(tmp_path / "in.h5", "w") as f:
         f["x"] = np.arange(16, dtype=np.float32).reshape(8, 2)  # 64 bytes, padded to 4096: 504 rows of zeros
@@ -216,6 +239,9 @@ def test_a_converted_file_read_directly_returns_no_padding_rows(tmp_path):
     assert len(as_bytes) == 64
     with pytest.raises(ValueError, match="64 bytes of data"):
         RawSource(tmp_path / "raw" / "x.bin", dtype="float32", shape=(3,))  # 12-byte samples do not fit
+    with open(tmp_path / "raw" / "x.bin", "ab") as fh:  # no longer the file the manifest describes
+        fh.write(bytes(4096))
+    assert len(RawSource(tmp_path / "raw" / "x.bin", dtype="float32", shape=(2,))) == 1024
 
 
 def test_raw_source_selects_and_renames_the_fields_of_a_manifest_as_h5source_does(tmp_path):

@@ -94,13 +94,18 @@ def _check_file(manifest: Path, f: ManifestField) -> None:
 
 def write_atomic(path: Path, doc: dict[str, Any]) -> None:
     """Write JSON to ``path`` via a temporary file and ``os.replace``: readers see old or new, never half."""
+    os.replace(write_temp(path, doc), path)
+
+
+def write_temp(path: Path, doc: dict[str, Any]) -> Path:
+    """Write JSON, synced, to a temporary file beside ``path``; returns it (``os.replace`` it into place)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as fh:
         json.dump(doc, fh, indent=2, sort_keys=True)
         fh.write("\n")
         fh.flush()
         os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    return tmp
 
 
 def data_end_of(path: str) -> int | None:
@@ -112,6 +117,8 @@ def data_end_of(path: str) -> int | None:
         doc = json.loads(beside.read_text())
         specs = doc.get("fields", {}).values()
         s = next(s for s in specs if s.get("file") == Path(path).name)
+        if "file_size" in s and int(s["file_size"]) != os.path.getsize(path):
+            return None  # the file is not the one the manifest describes
         row = np.dtype(s["dtype"]).itemsize * int(np.prod([int(d) for d in s["shape"]], dtype=np.int64))
         return int(s.get("offset", 0)) + int(s["num_samples"]) * row
     except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration):
