@@ -1,6 +1,7 @@
 """The stager and the pinned pool, on plain host memory (pinning needs CUDA; tests/test_cuda.py pins)."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -45,6 +46,17 @@ def test_acquire_gives_up_when_stopped():
     threading.Timer(0.05, stop.set).start()
     with pytest.raises(Stopped):
         pool.acquire(1, stop)
+
+
+def test_acquire_waits_for_a_buffer_to_come_back_and_takes_it_at_once():
+    """Every buffer out: acquire blocks until one is released, then takes that one."""
+    pool = PinnedPool(budget=16 << 10, chunk_bytes=16 << 10, pin=False)
+    held = pool.acquire(1, STOP)
+    threading.Timer(0.2, pool.release, (held, None)).start()
+    t0 = time.perf_counter()
+    got = pool.acquire(1, STOP)
+    waited = time.perf_counter() - t0
+    assert got is held and 0.15 < waited < 5.0
 
 
 @pytest.mark.parametrize("chunk_bytes", [4096, 5000, 1 << 20])

@@ -10,12 +10,11 @@ events, one thread at a time.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import torch
 
-from gpufeed._worker import Stopped
+from gpufeed._worker import POLL_S, Stopped
 from gpufeed.staging import DEFAULT_CHUNK_BYTES, DEFAULT_PINNED_BUDGET, PinnedUnavailable
 
 
@@ -72,6 +71,7 @@ class PinnedPool:
         self.allocations = 0
         self._free: list[_Buffer] = []
         self._lock = threading.Lock()
+        self._returned = threading.Condition(self._lock)  # notified by release()
 
     def acquire(self, nbytes: int, stop: threading.Event) -> _Buffer:
         """A buffer of at least ``nbytes`` whose previous copy has completed; waits for one if needed.
@@ -79,7 +79,6 @@ class PinnedPool:
         Raises:
             PinnedUnavailable: the budget is 0, or pinning memory failed (the caller copies pageable).
         """
-        delay = 20e-6
         while True:
             if not self.available:
                 why = "pinned_budget is 0" if self.budget == 0 else "pinned allocation failed"
@@ -89,10 +88,18 @@ class PinnedPool:
                 return buf
             if stop.is_set():
                 raise Stopped
-            # Back off to 1 ms, about the time a chunk takes on the link: each poll takes the GIL (and
-            # queries events) and the training thread waits behind it.
-            time.sleep(delay)
-            delay = min(2 * delay, 1e-3)
+            self._wait_for_one()
+
+    def _wait_for_one(self) -> None:
+        """Block until a returned buffer's copy completes (its event, the GIL released meanwhile) or, where
+        none is back yet, until one is returned (``release`` notifies), at most ``POLL_S`` to look at the
+        stop flag."""
+        with self._returned:
+            pending = next((b for b in self._free if b.busy and b.event is not None), None)
+            if pending is None:
+                self._returned.wait(POLL_S)
+                return
+        pending.event.synchronize()
 
     def try_acquire(self, nbytes: int) -> _Buffer | None:
         """A free buffer of at least ``nbytes`` whose copy completed, a new one within budget, or None."""
@@ -121,8 +128,9 @@ class PinnedPool:
                 buf.event = torch.cuda.Event()
             buf.event.record(record_on)
             buf.busy = True
-        with self._lock:
+        with self._returned:
             self._free.append(buf)
+            self._returned.notify_all()
 
     def _allocate(self, size: int) -> _Buffer | None:
         try:
