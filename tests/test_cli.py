@@ -521,14 +521,14 @@ def test_inspect_manifest_valid_then_broken(mixed_h5, tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"{raw / 'manifest.json'}: gpufeed manifest (gpufeed.raw v1), 2 field(s)"
     assert re.split(r"\s{2,}", lines[1]) == ["field", "samples", "shape", "dtype", "file", "bytes", "on disk"]
-    assert re.split(r"\s+", lines[2]) == ["x", "100", "(8,)", "<f4", "x.bin", "4096", "4096"]
+    assert re.split(r"\s+", lines[2]) == ["x", "100", "(8,)", "<f4", "x.bin", "3200", "3200"]
     assert lines[-2] == ("valid: yes: every data file exists and has the size and sample count the manifest "
                          "records")
     assert lines[-1] == "read path: byte-offset pread (raw samples), by RawSource or GDSSource"
     os.truncate(raw / "x.bin", 100)
     assert main(["inspect", str(raw / "manifest.json")]) == 1
     out = capsys.readouterr().out
-    assert re.split(r"\s+", out.splitlines()[2]) == ["x", "100", "(8,)", "<f4", "x.bin", "4096", "100"]
+    assert re.split(r"\s+", out.splitlines()[2]) == ["x", "100", "(8,)", "<f4", "x.bin", "3200", "100"]
     assert re.search(r"^valid: no: .*data file .*x\.bin of field 'x' is 100 bytes", out, re.M), out
     assert out.splitlines()[-1] == "read path: unusable until fixed"
 
@@ -561,14 +561,14 @@ def test_convert_writes_raw_files_then_is_cached(mixed_h5, tmp_path, capsys):
     out = tmp_path / "raw"
     assert main(["convert", str(mixed_h5), str(out), "--fields", "x", "grp/z"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    head = f"{mixed_h5} -> {out / 'manifest.json'}: 2 field(s), 8 KiB, converted in "
+    head = f"{mixed_h5} -> {out / 'manifest.json'}: 2 field(s), 3.3 KiB, converted in "
     assert lines[0].startswith(head) and re.fullmatch(r"\d+\.\ds", lines[0][len(head):]), lines[0]
     assert "  x: 100 samples of (8,) <f4 -> x.bin" in lines
     assert lines[-1] == f"read it with RawSource({str(out / 'manifest.json')!r}) or GDSSource(" \
                         f"{str(out / 'manifest.json')!r})"
     assert main(["convert", str(mixed_h5), str(out), "--fields", "x", "grp/z"]) == 0
     assert capsys.readouterr().out.splitlines()[0].endswith(
-        "2 field(s), 8 KiB, up to date (source unchanged), nothing rewritten")
+        "2 field(s), 3.3 KiB, up to date (source unchanged), nothing rewritten")
     from gpufeed.sources import RawSource
 
     with RawSource(out / "manifest.json") as src:

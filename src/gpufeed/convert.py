@@ -26,7 +26,7 @@ def convert_h5_to_raw(
     h5_path: str | os.PathLike,
     out_dir: str | os.PathLike,
     fields: Sequence[str] | Mapping[str, str] | None = None,
-    align: int = 4096,
+    align: int = 1,
     *,
     chunk_bytes: int = CHUNK_BYTES,
     progress: bool | None = None,
@@ -35,7 +35,8 @@ def convert_h5_to_raw(
 
     The result opens with ``RawSource(manifest)`` or ``GDSSource(manifest)``. Rows stream through a
     bounded buffer (about ``chunk_bytes``), so files larger than memory convert. Data start at offset 0
-    (aligned for O_DIRECT / GDS) and each file is zero-padded to a multiple of ``align``. The manifest
+    (aligned for O_DIRECT / GDS) and each file holds its samples and nothing else, unless ``align`` pads
+    it with zeros to a multiple of that (the manifest records where the data end). The manifest
     records the source's path, size and mtime: a re-run with an unchanged source returns the existing
     manifest at once; a changed source (or a changed ``fields``) is converted again. The manifest is
     written last and atomically (temporary file + ``os.replace``), and the old one is removed before any
@@ -47,7 +48,8 @@ def convert_h5_to_raw(
         fields: dataset names or ``{field name: dataset path}``, as for ``H5Source``; ``None``: every
             dataset that can become raw samples (the others are skipped with a warning, and listed under
             ``skipped`` in the manifest).
-        align: alignment in bytes of the data start and file sizes, a power of two (4096 suits GDS).
+        align: pad each file with zeros to a multiple of this, a power of two; 1 (default) pads nothing,
+            4096 gives sizes that O_DIRECT reads whole.
         chunk_bytes: about how many bytes to hold in memory at once.
         progress: show bytes done, rate and time left on stderr while converting; ``None``: when stderr
             is a terminal.

@@ -228,7 +228,9 @@ def test_a_rename_that_fails_leaves_no_manifest_and_no_temporary_file(tmp_path, 
 def test_a_converted_file_read_directly_returns_no_padding_rows(tmp_path):
     with h5py.File(tmp_path / "in.h5", "w") as f:
         f["x"] = np.arange(16, dtype=np.float32).reshape(8, 2)  # 64 bytes, padded to 4096: 504 rows of zeros
-    convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")
+    convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "unpadded")
+    assert os.path.getsize(tmp_path / "unpadded" / "x.bin") == 64  # by default a file holds its data only
+    convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw", align=4096)
     assert os.path.getsize(tmp_path / "raw" / "x.bin") == 4096
     src = RawSource(tmp_path / "raw" / "x.bin", dtype="float32", shape=(2,))
     assert len(src) == 8
