@@ -5,6 +5,8 @@ import dataclasses
 import gc
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections import OrderedDict, namedtuple
@@ -543,3 +545,14 @@ def test_cyclic_garbage_is_collected_before_a_dataloader_forks_its_workers(tmp_p
         finally:
             gc.enable()
         assert [p.name for p in tmp_path.iterdir()] == [f"freed-in-{os.getpid()}"], wrapped
+
+
+def test_asking_whether_a_dataloader_forks_fixes_no_start_method():
+    """Looking at a DataLoader's start method leaves the process's unset one unset (the user may still
+    choose one)."""
+    code = ("import multiprocessing, torch.utils.data as d; from gpufeed._wrapped import _forks_workers; "
+            "loader = d.DataLoader(list(range(4)), num_workers=1); "
+            "print(_forks_workers(loader) == (multiprocessing.get_all_start_methods()[0] == 'fork'), "
+            "multiprocessing.get_start_method(allow_none=True))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "None"]

@@ -141,7 +141,10 @@ def _forks_workers(loader: Any) -> bool:
     if loader.persistent_workers and getattr(loader, "_iterator", None) is not None:
         return False
     ctx = loader.multiprocessing_context
-    method = ctx.get_start_method() if ctx is not None else multiprocessing.get_start_method()
+    if ctx is not None:
+        return ctx.get_start_method() == "fork"
+    # Not set yet: the platform's default, which asking for the start method would also fix.
+    method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
     return method == "fork"
 
 
