@@ -1,6 +1,6 @@
 """How a batch of a BatchSource is cut into reads: *chunks* (rows ``[r0, r1)`` of every field, staged
-through one pinned buffer, each field's region cache-line aligned) and *pieces* (rows ``[a, b)`` of a
-chunk: one ``source.read`` on a reader thread).
+through one pinned buffer, each field's region aligned to ``staging.ALIGN``) and *pieces* (rows
+``[a, b)`` of a chunk: one ``source.read`` on a reader thread).
 
 A plan is a list of chunks ``(r0, r1, offsets, nbytes, pieces)``: the chunk's rows, each field's byte
 offset in its buffer, the buffer's size, and the pieces' rows.
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpufeed.staging import aligned
+
 #: The smallest read a batch is split into (a batch smaller than this is one read). Each read costs the
 #: background threads GIL handoffs, and every handoff can delay the training thread, whose torch calls
 #: each release and retake the GIL (docs/design.md, "Reading a BatchSource", has the figures).
@@ -18,7 +20,6 @@ MIN_READ_BYTES = 4 << 20
 #: costs GIL handoffs (submit, wake, result, wake), and each can delay the training thread's next torch call.
 #: (A direct read always reads its first piece on the calling thread.)
 INLINE_BYTES = 1 << 20
-_ALIGN = 64  # each field's region in a staging buffer starts on a cache line (and any dtype's alignment)
 
 Chunk = tuple[int, int, dict[str, int], int, list[tuple[int, int]]]
 
@@ -33,7 +34,7 @@ def regions(fields: Any, nrows: int) -> tuple[dict[str, int], int]:
     offsets, off = {}, 0
     for k, f in fields.items():
         offsets[k] = off
-        off += -(-(nrows * f.sample_nbytes) // _ALIGN) * _ALIGN
+        off += aligned(nrows * f.sample_nbytes)
     return offsets, off
 
 

@@ -128,16 +128,17 @@ def convert_h5_to_raw(
 def _move_into_place(out: Path, manifest: Path, written: dict[str, Path], doc: dict[str, Any]) -> None:
     """Rename every field's new file, then the new manifest, into place: only a rename can fail here, and
     it leaves the folder without a manifest (never an old one beside new data files) and no temporaries."""
-    temps = [*written.values()]
+    new_manifest = None
     try:
-        temps.append(_manifest.write_temp(manifest, doc))
+        new_manifest = _manifest.write_temp(manifest, doc)
         manifest.unlink(missing_ok=True)
         for file, tmp in written.items():
             os.replace(tmp, out / file)
-        os.replace(temps[-1], manifest)
+        os.replace(new_manifest, manifest)
     except BaseException:
-        for tmp in temps:
-            tmp.unlink(missing_ok=True)
+        for tmp in [*written.values(), new_manifest]:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
         raise
 
 

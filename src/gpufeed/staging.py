@@ -68,7 +68,7 @@ class Stager:
         allocations: list[torch.Tensor] = []
         limit = min(self.chunk_bytes, PACK_BYTES)
         pack: list[int] = []  # the tensors of the next buffer
-        size = 0  # their bytes, each rounded up to _ALIGN
+        size = 0  # their bytes, each rounded up to ALIGN
         for i, t in enumerate(tensors):
             if t.numel() == 0:  # no bytes to send (and _unflatten_dense_tensors would drop its shape)
                 moved[i] = torch.empty(t.shape, dtype=t.dtype, device=device)
@@ -77,7 +77,7 @@ class Stager:
                 moved[i] = self.to(t, device)
                 allocations.append(moved[i])
                 continue
-            slot = -(-t.nbytes // _ALIGN) * _ALIGN
+            slot = aligned(t.nbytes)
             if pack and size + slot > limit:
                 allocations.append(self._send(tensors, pack, device, moved))
                 pack, size = [], 0
@@ -90,7 +90,7 @@ class Stager:
     def _send(self, tensors: list[torch.Tensor], pack: list[int], device: torch.device,
               moved: list[torch.Tensor]) -> torch.Tensor:
         """Copy the tensors of ``pack`` into one pinned buffer, send it, and set their device views. The
-        tensors of one dtype lie in a region of their own, each at an ``_ALIGN``-aligned offset (padding
+        tensors of one dtype lie in a region of their own, each at an ``ALIGN``-aligned offset (padding
         between them is described by meta tensors), so that each region's views and copies are one torch
         call for all its tensors (``_unflatten_dense_tensors``, ``_foreach_copy_``, as DDP's gradient
         buckets do), not a few per tensor."""
@@ -107,7 +107,7 @@ class Stager:
             for i in members:
                 at.append(len(layout))
                 layout.append(tensors[i])
-                pad = -tensors[i].nbytes % _ALIGN
+                pad = aligned(tensors[i].nbytes) - tensors[i].nbytes
                 if pad:
                     layout.append(_padding(pad // tensors[i].element_size(), dtype))
             nbytes = sum(t.nbytes for t in layout)
@@ -155,13 +155,20 @@ class Stager:
             raise PinnedUnavailable(f"pinned allocation failed: {exc}") from exc
 
 
-_ALIGN = 64  # each packed tensor starts on a cache line (a multiple of any dtype's size, and of 16 B loads)
+#: Each packed tensor, and each field's region in a source's staging buffer, starts on a cache line (a
+#: multiple of any dtype's size, and of 16-byte loads).
+ALIGN = 64
 #: Tensors of at most this many bytes are packed: their time on the link is a small part of what the torch
 #: calls of a copy of their own cost (docs/design.md, "Staging pageable tensors").
 PACK_LEAF_BYTES = 64 << 10
 #: A packed buffer's size at most: a packed tensor the loop keeps (targets gathered for a metric) keeps the
 #: whole buffer alive on the device, so at most this much beside it.
 PACK_BYTES = 1 << 20
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of ``ALIGN``."""
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 @functools.lru_cache(maxsize=256)

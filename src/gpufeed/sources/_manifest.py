@@ -28,6 +28,12 @@ class ManifestField:
     offset: int
     file_size: int
 
+    @property
+    def data_end(self) -> int:
+        """The byte where its samples end (past it: padding to the alignment, if any)."""
+        row = self.dtype.itemsize * int(np.prod(self.shape, dtype=np.int64))
+        return self.offset + self.num_samples * row
+
 
 def resolve(path: str | os.PathLike) -> Path:
     """The manifest file for ``path``: the file itself, or ``manifest.json`` inside a directory."""
@@ -84,17 +90,11 @@ def _check_file(manifest: Path, f: ManifestField) -> None:
     except FileNotFoundError:
         raise ValueError(f"{manifest}: data file {f.path} of field '{f.name}' is missing; {FIX}") from None
     row = f.dtype.itemsize * int(np.prod(f.shape, dtype=np.int64))
-    need = f.offset + f.num_samples * row
-    if size != f.file_size or size < need:
+    if size != f.file_size or size < f.data_end:
         raise ValueError(
             f"{manifest}: data file {f.path} of field '{f.name}' is {size} bytes, the manifest says "
             f"{f.file_size} ({f.num_samples} samples of {row} bytes from offset {f.offset}); {FIX}"
         )
-
-
-def write_atomic(path: Path, doc: dict[str, Any]) -> None:
-    """Write JSON to ``path`` via a temporary file and ``os.replace``: readers see old or new, never half."""
-    os.replace(write_temp(path, doc), path)
 
 
 def write_temp(path: Path, doc: dict[str, Any]) -> Path:
@@ -114,12 +114,10 @@ def data_end_of(path: str) -> int | None:
     dtype and shape the file is read as."""
     beside = Path(path).with_name(NAME)
     try:
-        doc = json.loads(beside.read_text())
-        specs = doc.get("fields", {}).values()
-        s = next(s for s in specs if s.get("file") == Path(path).name)
-        if "file_size" in s and int(s["file_size"]) != os.path.getsize(path):
-            return None  # the file is not the one the manifest describes
-        row = np.dtype(s["dtype"]).itemsize * int(np.prod([int(d) for d in s["shape"]], dtype=np.int64))
-        return int(s.get("offset", 0)) + int(s["num_samples"]) * row
+        specs = json.loads(beside.read_text())["fields"]
+        name = Path(path).name
+        f = next(_field(beside.parent, k, s) for k, s in specs.items() if s.get("file") == name)
+        same = f.file_size == os.path.getsize(path)  # else not the file the manifest describes
     except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration):
         return None
+    return f.data_end if same else None
