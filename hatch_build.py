@@ -63,7 +63,7 @@ def compile_library(source: Path, out: Path) -> str:
     """Compile ``source`` into the shared library ``out``; ``""`` on success, else why it failed."""
     cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
     partial = out.with_name(out.name + ".tmp")
-    cmd = [*cc, "-O2", "-shared", "-fPIC", "-o", str(partial), str(source)]
+    cmd = [*cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(partial), str(source)]
     try:
         run = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=120)
         if run.returncode != 0 or not partial.is_file():

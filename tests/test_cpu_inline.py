@@ -11,6 +11,7 @@ import torch
 import gpufeed.prefetcher
 from conftest import gpufeed_threads
 from gpufeed import CudaPrefetcher, RawSource, SourceLoader
+from gpufeed.sources import _pread
 
 real_core_to_spare = gpufeed.prefetcher._cpu_core_to_spare  # the suite's autouse fixture patches it
 
@@ -102,27 +103,56 @@ def test_source_batches_read_inline_are_exact(inline, tmp_path):
                 assert not [t for t in gpufeed_threads() if t.name == "gpufeed-fetch"]
 
 
+class _OwnReads:
+    """A BatchSource that reads on the thread that calls it (no ``parallel_reads``), recording which."""
+
+    def __init__(self, src):
+        self.src, self.seen = src, set()
+        self.fields, self.reads_to = src.fields, "host"
+
+    def __len__(self):
+        return len(self.src)
+
+    def read(self, rows, out):
+        self.seen.add(threading.current_thread().name)
+        self.src.read(rows, out)
+
+    def close(self):
+        self.src.close()
+
+
 @pytest.mark.parametrize(("num_threads", "readers"), [(None, range(0, 1)), (3, range(1, 3))])
 def test_inline_reads_use_the_loops_thread_unless_asked_for_more(inline, tmp_path, num_threads, readers):
     """An automatic num_threads reads an inline batch with the loop's thread alone; an explicit one splits
     it (the calling thread reads one piece, the pool the others)."""
     data = np.arange(4096 * 1024, dtype=np.float32).reshape(4096, 1024)  # 16 MiB: pieces of >= 4 MiB
     np.save(tmp_path / "x.npy", data)
-    seen = set()
-    with RawSource(fields={"x": tmp_path / "x.npy"}) as src:
-        real = src.read
-
-        def read(rows, out):
-            seen.add(threading.current_thread().name)
-            real(rows, out)
-
-        src.read = read
+    with RawSource(fields={"x": tmp_path / "x.npy"}, num_threads=1) as raw:
+        src = _OwnReads(raw)
         loader = SourceLoader(src, batch_size=4096, num_threads=num_threads)
         with CudaPrefetcher(loader, device="cpu") as pf:
             (batch,) = list(pf)
             assert torch.equal(batch["x"], torch.from_numpy(data))
-    assert threading.main_thread().name in seen
-    assert len([n for n in seen if n.startswith("gpufeed-read")]) in readers  # a pool thread may take both
+    assert threading.main_thread().name in src.seen
+    assert len([n for n in src.seen if n.startswith("gpufeed-read")]) in readers  # one may take both
+
+
+@pytest.mark.skipif(_pread.backend() != "native", reason="the native reader is not built here")
+def test_a_source_with_reads_of_its_own_gets_the_batch_in_one_read(inline, tmp_path):
+    """A source that spreads a read over its own threads (``parallel_reads``) is given the whole batch in
+    one call on the loop's thread, whatever the loader's num_threads."""
+    data = np.arange(4096 * 1024, dtype=np.float32).reshape(4096, 1024)
+    np.save(tmp_path / "x.npy", data)
+    calls = []
+    with RawSource(fields={"x": tmp_path / "x.npy"}, num_threads=4) as src:
+        real = src.read
+        src.read = lambda rows, out: (calls.append((threading.current_thread().name, len(rows))),
+                                      real(rows, out))[1]
+        assert src.parallel_reads
+        with CudaPrefetcher(SourceLoader(src, batch_size=4096, num_threads=3), device="cpu") as pf:
+            (batch,) = list(pf)
+            assert torch.equal(batch["x"], torch.from_numpy(data))
+    assert calls == [(threading.main_thread().name, 4096)]
 
 
 class Slow(Pulls):

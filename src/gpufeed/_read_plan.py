@@ -59,10 +59,11 @@ def pieces(r0: int, r1: int, nrows: int, threads: int, row: int,
 def plan(fields: Any, nrows: int, threads: int, chunk_bytes: int, fill_bytes: int) -> list[Chunk]:
     """The chunks of a batch of ``nrows`` rows staged through buffers of ``chunk_bytes``."""
     row = row_bytes(fields)
+    fill = fill_bytes if threads > 1 else None  # one reader: a chunk is one read
     out = []
     for r0, k in split(nrows, max(1, chunk_bytes // row)):
         offsets, nbytes = regions(fields, k)
-        out.append((r0, r0 + k, offsets, nbytes, pieces(r0, r0 + k, nrows, threads, row, fill_bytes)))
+        out.append((r0, r0 + k, offsets, nbytes, pieces(r0, r0 + k, nrows, threads, row, fill)))
     return out
 
 

@@ -4,18 +4,19 @@ A batch is planned as chunks, each staged through one pinned buffer, and pieces,
 ``source.read`` (:mod:`gpufeed._read_plan`). :meth:`SourceBatch.start` takes pinned buffers, binds every
 piece to its views and submits the reads; :meth:`SourceBatch.read` waits for them chunk by chunk and
 copies each chunk to the device on the copy stream. Once a batch has all its reads submitted it starts
-its successor's, so the readers never idle while the fetching thread finishes a batch (docs/design.md,
-"Reading a BatchSource").
+the reads of the ``READS_AHEAD`` batches after it, so the readers never idle while the fetching thread
+finishes a batch (docs/design.md, "Reading a BatchSource").
 
 A source that reads into device memory (``reads_to == "device"``: nvCOMP decoding, GPUDirect Storage) is
 read one batch per read instead, since it spreads a read over the device or its own threads, and up to
 ``threads`` batches are read at once (:meth:`SourceBatch.start_device`).
 
-Invariants: a batch starts its successor only after all of its own chunks hold buffers, and a start
-that finds the pool empty stops (it never blocks), so a successor can never hold buffers the current
-batch is waiting for. At most one batch is read ahead into pinned memory beyond ``depth``, and at most
-``threads - 1`` into device memory (beyond ``depth``: such a source holds up to ``threads - 1`` more
-batches on the device). A successor's read that cannot start fails at that batch, not at this one.
+Invariants: a batch starts its successors only after all of its own chunks hold buffers, each only after
+the one before it holds all of its own, and a start that finds the pool empty stops (it never blocks), so
+a successor can never hold buffers an earlier batch is waiting for. At most ``READS_AHEAD`` batches are
+read ahead into pinned memory beyond ``depth``, and at most ``threads - 1`` into device memory (beyond
+``depth``: such a source holds up to ``threads - 1`` more batches on the device). A successor's read that
+cannot start fails at that batch, not at this one.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ from gpufeed._copier import Copier, Delivered
 from gpufeed._worker import Stopped
 from gpufeed.source_loader import ReadRequest
 from gpufeed.staging import PinnedUnavailable, byte_view
+
+#: Batches whose reads start while the fetching thread finishes the one before them. With one, the reads
+#: run one batch at a time; a batch read in a fraction of a millisecond needs the next ones in flight
+#: too (docs/design.md, "Reading a BatchSource").
+READS_AHEAD = 2
 
 
 def run_now(job: Callable[[], Any]) -> Future:
@@ -79,6 +85,9 @@ class EpochReads:
 
     def __init__(self, source: Any, plan: list[Any], threads: int) -> None:
         self.source, self.plan, self.threads = source, plan, threads
+        # The reads one batch (or staging chunk) is cut into: one per reader thread, or one for a source
+        # that spreads a read over threads of its own.
+        self.read_threads = 1 if getattr(source, "parallel_reads", False) else threads
         self._made: dict[int, SourceBatch] = {}
         self._executor: ThreadPoolExecutor | None = None
 
@@ -134,7 +143,7 @@ class SourceBatch(ReadRequest):
         """Submit the reads of every chunk a buffer is free for; True when every chunk is submitted."""
         self._copier = copier
         if self._plan is None:
-            self._plan = _read_plan.plan(self.source.fields, len(self.rows), self.chain.threads,
+            self._plan = _read_plan.plan(self.source.fields, len(self.rows), self.chain.read_threads,
                                          copier.pool.chunk_bytes, copier.pool.fill_bytes)
         pool, executor = copier.pool, self.chain.executor
         while self._next < len(self._plan):
@@ -182,9 +191,11 @@ class SourceBatch(ReadRequest):
 
     def _read_staged(self, copier: Copier, out: dict[str, torch.Tensor], stop: threading.Event) -> None:
         started = self.start(copier, stop, block=True)
-        succ = self.chain.get(self.index + 1)
-        if started and succ is not None and not self._one_small_read():  # (a small one is read already)
-            succ.start(copier, stop)  # the successor's reads run while this batch finishes
+        if started and not self._one_small_read():  # (a small one is read already)
+            for i in range(self.index + 1, self.index + 1 + READS_AHEAD):  # read while this batch finishes
+                succ = self.chain.get(i)
+                if succ is None or not succ.start(copier, stop):
+                    break
         fields = self.source.fields
         while self._entries or self._next < len(self._plan or ()):
             if not self._entries:
@@ -247,7 +258,7 @@ class SourceBatch(ReadRequest):
 
     def _read_direct(self, copier: Copier, out: dict[str, torch.Tensor], stop: threading.Event) -> None:
         n, row = len(self.rows), _read_plan.row_bytes(self.source.fields)
-        pieces = _read_plan.pieces(0, n, n, self.chain.threads, row, None)  # no staging buffer to fit
+        pieces = _read_plan.pieces(0, n, n, self.chain.read_threads, row, None)  # no staging buffer to fit
         jobs = [functools.partial(self.source.read, self.rows[a:b], {k: t[a:b] for k, t in out.items()})
                 for a, b in pieces]
         futs = [self.chain.executor.submit(j) for j in jobs[1:]]

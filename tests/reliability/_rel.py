@@ -243,27 +243,35 @@ class FaultySource:
 
 @contextmanager
 def failing_preadv(after: int, times: int = 1) -> Iterator[dict]:
-    """``os.preadv`` raises EIO on call number ``after`` (0-based) and ``times - 1`` calls after it."""
-    real = os.preadv
+    """A positional read raises EIO on call number ``after`` (0-based) and ``times - 1`` calls after it:
+    ``os.preadv``, and the native reader's calls (each one call, however many reads it makes)."""
+    from gpufeed.sources import _pread
+
+    real, native = os.preadv, _pread._NATIVE
     state = {"calls": 0, "raised": 0}
     lock = threading.Lock()
 
-    def preadv(fd: int, buffers: Any, offset: int, *a: Any) -> int:
-        with lock:
-            k = state["calls"]
-            state["calls"] += 1
-            fail = after <= k < after + times
+    def failing(what: str, call: Any) -> Any:
+        def wrapper(*a: Any) -> Any:
+            with lock:
+                k = state["calls"]
+                state["calls"] += 1
+                fail = after <= k < after + times
+                if fail:
+                    state["raised"] += 1
             if fail:
-                state["raised"] += 1
-        if fail:
-            raise OSError(5, "Input/output error (injected into os.preadv)")
-        return real(fd, buffers, offset, *a)
+                raise OSError(5, f"Input/output error (injected into {what})")
+            return call(*a)
 
-    os.preadv = preadv
+        return wrapper
+
+    os.preadv = failing("os.preadv", real)
+    if native is not None:
+        _pread._NATIVE = failing("the native reader", native)
     try:
         yield state
     finally:
-        os.preadv = real
+        os.preadv, _pread._NATIVE = real, native
 
 
 @contextmanager

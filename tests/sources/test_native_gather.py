@@ -30,10 +30,11 @@ def _run(body: str, path) -> subprocess.CompletedProcess:
         fd = os.open(path, os.O_RDONLY)
         m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
         view = np.frombuffer(m, dtype=np.uint8)
-        out = np.zeros((4, 4096), dtype=np.uint8)
-        def gather(offsets):
+        out = np.zeros((8, 4096), dtype=np.uint8)
+        def gather(offsets, threads=1):  # min_share 0: as many threads as asked, a row each at least
             offsets = np.asarray(offsets, dtype=np.int64)
-            return _pread.GATHER(view.ctypes.data, offsets.ctypes.data, len(offsets), 4096, out.ctypes.data)
+            return _pread.GATHER(view.ctypes.data, offsets.ctypes.data, len(offsets), 4096, out.ctypes.data,
+                                 threads, 0)
     """) + textwrap.dedent(body)
     return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60)
 
@@ -48,6 +49,20 @@ def test_rows_of_a_file_cut_under_its_mapping_are_reported_and_the_process_lives
     """, tmp_path / "rows.bin")
     assert p.returncode == 0, p.stderr
     assert p.stdout.split("\n")[:4] == ["whole -1 True", "cut 2", "again 0", "alive"]
+
+
+def test_rows_shared_among_threads_are_whole_and_the_first_cut_row_is_reported(tmp_path):
+    p = _run("""
+        rows = [0, 8192, 4096, 65536 - 4096, 12 * 4096, 3 * 4096, 40 * 4096, 7 * 4096]
+        got = gather(rows, threads=4)
+        print("whole", got, all((out[i] == view[r:r + 4096]).all() for i, r in enumerate(rows)))
+        os.truncate(path, 10 * 4096)
+        print("cut", gather([0, 4096, 8192, 20 * 4096, 0, 30 * 4096, 0, 0], threads=4))
+        print("cut", gather([0, 4096, 8192, 0, 0, 30 * 4096, 0, 0], threads=8))
+        print("alive")
+    """, tmp_path / "rows.bin")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split("\n")[:4] == ["whole -1 True", "cut 3", "cut 5", "alive"]
 
 
 def test_a_sigbus_outside_a_gather_still_ends_the_process(tmp_path):

@@ -141,6 +141,62 @@ def test_reads_outside_the_buffer_are_refused(backend, tmp_path):
     fds.close()
 
 
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_reads_shared_among_threads_are_exact_and_fail_at_the_first_bad_read(threads, tmp_path, monkeypatch):
+    """Reads cut at the edges of the threads' shares (a share of at least 1 byte here) land whole; a file
+    that ends early raises for the first read it cuts, with the bytes of it that were there."""
+    if _pread._NATIVE is None:
+        pytest.skip("the native reader was not built here (pip install -e . builds it)")
+    monkeypatch.setattr(_pread, "SHARE_BYTES", 1)
+    data = np.random.default_rng(2).integers(0, 256, size=100_000, dtype=np.uint8)
+    (tmp_path / "f").write_bytes(data.tobytes())
+    fds = FileDescriptors([str(tmp_path / "f")])
+    sizes = np.array([40_000, 0, 7, 30_000, 1, 22_992], dtype=np.int64)
+    offsets = np.array([50_000, 3, 99_000, 0, 99_999, 60_000], dtype=np.int64)
+    dst = np.cumsum(sizes) - sizes
+    buf = torch.zeros(int(sizes.sum()), dtype=torch.uint8)
+    _pread.pread_many(fds, ["f"], 0, offsets, sizes, dst, buf.data_ptr(), buf.numel(), threads=threads)
+    want = np.concatenate([data[o : o + n] for o, n in zip(offsets, sizes, strict=True)])
+    assert np.array_equal(buf.numpy(), want)
+    os.truncate(tmp_path / "f", 75_000)  # read 0 (50_000 + 40_000) ends 15_000 bytes early; read 5 too
+    with pytest.raises(OSError, match=r"short read from f: expected 40000 bytes at offset 50000, got 25000;"):
+        _pread.pread_many(fds, ["f"], 0, offsets, sizes, dst, buf.data_ptr(), buf.numel(), threads=threads)
+    fds.close()
+
+
+def test_a_forked_child_reads_with_threads_of_its_own(tmp_path):
+    """The parent's reader threads do not exist in a forked child: the child's threaded reads are whole,
+    and end (the timeout)."""
+    if _pread._NATIVE is None:
+        pytest.skip("the native reader was not built here (pip install -e . builds it)")
+    code = """
+import os, sys
+import numpy as np  # (no torch: its own thread pool does not survive a fork)
+from gpufeed.sources import _pread
+from gpufeed.sources._files import FileDescriptors
+_pread.SHARE_BYTES = 1
+data = np.arange(1 << 16, dtype=np.uint8)
+path = sys.argv[1]
+data.tofile(path)
+def read():
+    fds = FileDescriptors([path])
+    buf = np.zeros(len(data), dtype=np.uint8)
+    _pread.pread_many(fds, [path], 0, np.array([0]), np.array([len(data)]), np.array([0]), buf.ctypes.data,
+                      len(data), threads=8)
+    fds.close()
+    return bool((buf == data).all())
+assert read()
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if read() else 3)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status), "parent", read())
+"""
+    got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "f")], capture_output=True, text=True,
+                         timeout=60)
+    assert got.stdout.split() == ["child", "0", "parent", "True"], got.stderr
+
+
 def test_python_loop_resumes_short_reads(tmp_path, monkeypatch):
     x = np.arange(4000, dtype=np.uint8).reshape(400, 10)
     np.save(tmp_path / "x.npy", x)

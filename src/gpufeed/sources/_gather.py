@@ -22,7 +22,7 @@ import torch
 
 from ._files import short_read_message
 from ._per_process import _PerProcess
-from ._pread import GATHER, RESIDENT
+from ._pread import GATHER, RESIDENT, SHARE_BYTES
 
 #: Rows of a batch whose first page is looked up before gathering it (a ``mincore`` call, about 1 us, each).
 RESIDENT_SAMPLE = 8
@@ -115,25 +115,27 @@ class _Map:
 
 
 def gather_rows(
-    maps: FileMaps, files: int | np.ndarray, offsets: np.ndarray, row_nbytes: int, out: torch.Tensor
+    maps: FileMaps, files: int | np.ndarray, offsets: np.ndarray, row_nbytes: int, out: torch.Tensor,
+    threads: int = 1,
 ) -> None:
     """Copy the ``row_nbytes`` at ``offsets[i]`` of file ``files[i]`` (or of file ``files``) into ``out[i]``.
 
     ``out`` is an ``(n, row_nbytes)`` uint8 tensor. One ``index_select`` per file: the copy runs in C with
     the GIL released, and few torch calls are made (each one hands the GIL over, which costs a lot when
-    many reader threads want it).
+    many reader threads want it). The native gather shares the rows among up to ``threads`` threads.
     """
     if not isinstance(files, np.ndarray):
-        _gather_file(maps, files, offsets, row_nbytes, out)
+        _gather_file(maps, files, offsets, row_nbytes, out, threads)
         return
     for f in np.unique(files).tolist():
         pos = np.flatnonzero(files == f)
         part = torch.empty((len(pos), row_nbytes), dtype=torch.uint8)
-        _gather_file(maps, f, offsets[pos], row_nbytes, part)
+        _gather_file(maps, f, offsets[pos], row_nbytes, part, threads)
         out.index_copy_(0, torch.from_numpy(pos), part)
 
 
-def _gather_file(maps: FileMaps, i: int, offsets: np.ndarray, row_nbytes: int, out: torch.Tensor) -> None:
+def _gather_file(maps: FileMaps, i: int, offsets: np.ndarray, row_nbytes: int, out: torch.Tensor,
+                 threads: int) -> None:
     m = maps.get(i)
     last = int(offsets.max())
     # Check against the file as it is now: touching a mapped page past its end kills the process (SIGBUS).
@@ -143,7 +145,8 @@ def _gather_file(maps: FileMaps, i: int, offsets: np.ndarray, row_nbytes: int, o
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
     bad = -2  # -2: not gathered natively (no library, a strided ``out``, or no SIGBUS handler)
     if GATHER is not None and out.is_contiguous():
-        bad = GATHER(m.addr, offsets.ctypes.data, len(offsets), row_nbytes, out.data_ptr())
+        bad = GATHER(m.addr, offsets.ctypes.data, len(offsets), row_nbytes, out.data_ptr(), threads,
+                     SHARE_BYTES)
     if bad == -2 and not maps.always:  # no SIGBUS handler: the default reads these rows by position
         raise NotGathered(maps.paths[i])
     if bad == -2:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Literal
@@ -12,7 +13,7 @@ from ._files import FileDescriptors, pread_exact, source_label
 from ._gather import FileMaps, NotGathered, file_maps, gather_rows
 from ._layout import Layout
 from ._out_tensors import check_outs, host_bytes, rows_bytes
-from ._pread import pread_many
+from ._pread import backend, pread_many
 from ._runs import Runs, check_rows
 from .base import Field, Rows
 
@@ -71,8 +72,15 @@ class HostFileSource(FileSource):
     """What RawSource and H5Source share beyond :class:`FileSource`: opening their files, and positional
     reads into host memory."""
 
-    def _open_files(self, kind: str, paths: list[str], mmap_gather: bool | None) -> None:
-        """Set the files of the source: their descriptors, and memory maps per ``mmap_gather``."""
+    _threads = 1  # (a source pickled before the setting existed reads on one thread)
+
+    def _open_files(self, kind: str, paths: list[str], mmap_gather: bool | None,
+                    num_threads: int | None = None) -> None:
+        """Set the files of the source: their descriptors, memory maps per ``mmap_gather``, and the threads
+        a read spreads over."""
+        if num_threads is not None and (type(num_threads) is not int or num_threads < 1):
+            raise ValueError(f"{kind}: num_threads must be an int >= 1, got {num_threads!r}")
+        self._threads = num_threads or min(8, os.cpu_count() or 1)
         self._paths = paths
         self._where = source_label(kind, paths)
         self._fds = FileDescriptors(paths)
@@ -96,7 +104,19 @@ class HostFileSource(FileSource):
             self._read_field(layout, runs, bufs[name])
 
     def _read_field(self, layout: Layout, runs: Runs, t: torch.Tensor) -> None:
-        read_by_offset(layout, runs, t, self._fds, self._maps, self._paths)
+        read_by_offset(layout, runs, t, self._fds, self._maps, self._paths, self._threads)
+
+    @property
+    def num_threads(self) -> int:
+        """The threads one read spreads over (``num_threads`` of the constructor)."""
+        return self._threads
+
+    @property
+    def parallel_reads(self) -> bool:
+        """Whether one read spreads over this source's own threads: with the native reader, when every
+        field is read by byte offset. A prefetcher then gives each read a whole staging chunk, rather than
+        cutting it into one read per reader thread."""
+        return backend() == "native" and all(lay.by_offset for lay in self._layouts.values())
 
     @property
     def reads_to(self) -> Literal["host"]:
@@ -106,24 +126,24 @@ class HostFileSource(FileSource):
 
 def read_by_offset(
     layout: Layout, runs: Runs, t: torch.Tensor, fds: FileDescriptors, maps: FileMaps | None,
-    paths: Sequence[str],
+    paths: Sequence[str], threads: int = 1,
 ) -> None:
     """Read ``runs`` of an all-by-offset layout into host tensor ``t``: a memory-map gather where
-    :func:`try_gather` takes them; else one positional read per run, straight into ``t``'s memory: all of
-    them in one ``pread_many`` call when the rows are an array (a shuffled batch), one ``os.preadv`` for a
-    single run."""
+    :func:`try_gather` takes them; else one positional read per run, straight into ``t``'s memory, all of
+    them in one ``pread_many`` call that shares them among up to ``threads`` threads (the Python loop of
+    ``os.preadv``, on this thread, where the native reader is not built)."""
     rn = layout.row_nbytes
-    if try_gather(layout, runs, t, maps):
+    if try_gather(layout, runs, t, maps, threads):
         return
-    if runs.rows is not None:
-        pread_many(fds, paths, *layout.read_arrays(runs), t.data_ptr(), runs.n * rn)
+    if runs.rows is not None or backend() == "native":
+        pread_many(fds, paths, *layout.read_arrays(runs), t.data_ptr(), runs.n * rn, threads=threads)
         return
     mv = host_bytes(t, runs.n * rn)
     for f, fo, nb, oo in zip(*layout.byte_reads(runs), strict=True):
         pread_exact(fds.get(f), mv[oo : oo + nb], fo, paths[f])
 
 
-def try_gather(layout: Layout, runs: Runs, t: torch.Tensor, maps: FileMaps | None) -> bool:
+def try_gather(layout: Layout, runs: Runs, t: torch.Tensor, maps: FileMaps | None, threads: int = 1) -> bool:
     """Gather ``runs`` into host tensor ``t`` from memory maps, where they are scattered rows (see
     ``Runs.scattered``) that ``maps`` finds worth gathering; whether it did."""
     rn = layout.row_nbytes
@@ -133,7 +153,7 @@ def try_gather(layout: Layout, runs: Runs, t: torch.Tensor, maps: FileMaps | Non
     if not maps.worth_gathering(files, offsets, rn):
         return False
     try:
-        gather_rows(maps, files, offsets, rn, rows_bytes(t, runs.n, rn))
+        gather_rows(maps, files, offsets, rn, rows_bytes(t, runs.n, rn), threads)
     except NotGathered:
         return False
     return True

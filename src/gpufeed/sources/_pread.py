@@ -24,7 +24,12 @@ import numpy as np
 from ._files import FileDescriptors, pread_exact, short_read_message
 
 LIBRARY = Path(__file__).with_name("_pread_many.so")
-ABI = 4  # gpufeed_pread_abi() of the library this module calls
+ABI = 5  # gpufeed_pread_abi() of the library this module calls
+#: The fewest bytes a native read gives one thread. A read from the page cache is a memory copy, a few GB/s
+#: per thread, so a batch needs several threads; each costs a thread start (about 10 us). Measured on an
+#: H200 machine, 8 MiB batches by kvikio's C++ threads: 1 MiB tasks 31.7 GB/s, 4 MiB tasks 16.4
+#: (docs/design.md, "Reading a BatchSource").
+SHARE_BYTES = 1 << 20
 
 
 def _load() -> Any:
@@ -40,16 +45,18 @@ def _load() -> Any:
     except (OSError, AttributeError):  # built for another platform, or a stale build
         return None
     reads.restype = gather.restype = resident.restype = ctypes.c_int64
-    reads.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-    gather.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    reads.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 3
+    gather.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_int64]
     resident.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     return lib
 
 
 _LIB = _load()
 _NATIVE = _LIB.gpufeed_pread_many if _LIB is not None else None
-#: ``gpufeed_gather(base, offsets, n, row_bytes, out)``: rows copied out of a memory map, -1 when whole, else
-#: the row whose page lay past the end of its file (``_gather.py``); None without the library.
+#: ``gpufeed_gather(base, offsets, n, row_bytes, out, threads, min_share)``: rows copied out of a memory map
+#: by up to ``threads`` threads, -1 when whole, else the first row whose page lay past the end of its file
+#: (``_gather.py``); None without the library.
 GATHER = _LIB.gpufeed_gather if _LIB is not None else None
 #: ``gpufeed_resident(base, size, offsets, n, row_bytes)``: 1 when the page cache holds the first page of
 #: every row (``mincore``, nothing faulted in), else 0; None without the library.
@@ -63,7 +70,7 @@ def backend() -> str:
 
 def pread_many(
     fds: FileDescriptors, paths: Sequence[str], files: int | np.ndarray, offsets: np.ndarray,
-    sizes: np.ndarray, dst: np.ndarray, addr: int, nbytes: int, ahead: bool = True,
+    sizes: np.ndarray, dst: np.ndarray, addr: int, nbytes: int, ahead: bool = True, threads: int = 1,
 ) -> None:
     """Read ``sizes[i]`` bytes at ``offsets[i]`` of file ``files[i]`` (or of file ``files``) into byte
     ``dst[i]`` of the ``nbytes`` of host memory at ``addr``, for every ``i``, in order.
@@ -73,6 +80,9 @@ def pread_many(
     (``posix_fadvise(WILLNEED)``), so a cold batch keeps the disk's queue full instead of one read in
     flight per thread; ``ahead=False`` is one blocking ``pread`` per read (a plain random-read baseline).
     The Python loop reads without it.
+
+    The native reader shares the bytes among up to ``threads`` threads (this one and threads it starts and
+    joins), none given less than :data:`SHARE_BYTES`; the Python loop reads them on this thread.
 
     Raises:
         OSError: a read failed, or the file ended early; the message names the file.
@@ -93,7 +103,7 @@ def pread_many(
     args = [np.ascontiguousarray(a, dtype=np.int64) for a in (offsets, sizes, dst)]
     status = np.zeros(2, dtype=np.int64)
     bad = native(fd_of.ctypes.data, args[0].ctypes.data, args[1].ctypes.data, addr, args[2].ctypes.data,
-                 n, status.ctypes.data, int(ahead))
+                 n, status.ctypes.data, int(ahead), threads, SHARE_BYTES)
     if bad >= 0:
         f = files if isinstance(files, int) else int(files[bad])
         raise _read_error(paths[f], int(offsets[bad]), int(sizes[bad]), int(status[0]), int(status[1]))

@@ -12,6 +12,7 @@
 #define _FILE_OFFSET_BITS 64 /* 64-bit off_t on 32-bit platforms too: files past 2 GiB */
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stdint.h>
@@ -67,15 +68,10 @@ static void read_cached_and_advise(const int32_t *fds, const int64_t *offsets, c
 }
 #endif
 
-/* Read sizes[i] bytes at offsets[i] of fds[i] into base + dst[i], for i in 0..n-1.
- *
- * With ahead != 0, a first pass reads the cached bytes and starts the kernel's reads of the rest
- * (read_cached_and_advise); the reads then complete in order. Returns -1 when every read is whole; else the
- * index of the first read that is not, with status[0] = its errno (0 when the file ended first) and
- * status[1] = the bytes of it that were read. No read after a failed one is issued, except by the first
- * pass. */
-int64_t gpufeed_pread_many(const int32_t *fds, const int64_t *offsets, const int64_t *sizes, char *base,
-                           const int64_t *dst, int64_t n, int64_t *status, int64_t ahead)
+/* The reads of one thread: sizes[i] bytes at offsets[i] of fds[i] into base + dst[i], for i in 0..n-1, as
+ * gpufeed_pread_many describes, the reads after a failed one left unread. */
+static int64_t read_all(const int32_t *fds, const int64_t *offsets, const int64_t *sizes, char *base,
+                        const int64_t *dst, int64_t n, int64_t *status, int64_t ahead)
 {
     int64_t *done = NULL;
 #ifdef RWF_NOWAIT
@@ -89,6 +85,190 @@ int64_t gpufeed_pread_many(const int32_t *fds, const int64_t *offsets, const int
         if (read_rest(fds[i], base + dst[i], sizes[i], offsets[i], done ? done[i] : 0, status) < 0)
             bad = i;
     free(done);
+    return bad;
+}
+
+/* The threads that read the shares of a call: started on first use, in each process (a forked child has
+ * none of its parent's and starts its own), and kept for the process's life, so a call costs a wake-up
+ * per share rather than a thread start. The calling thread reads a share too and then, while its others
+ * are still queued, takes queued shares itself (its own or another call's): a call never waits on a
+ * share no thread is reading. */
+typedef struct {
+    void *(*run)(void *);
+    void *arg;
+    int64_t *left; /* the calling thread's count of its shares not done yet */
+} task_t;
+
+#define POOL_MAX 256
+#define QUEUE_MAX 1024
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_work = PTHREAD_COND_INITIALIZER; /* a task was queued */
+static pthread_cond_t pool_done = PTHREAD_COND_INITIALIZER; /* a call's last share is done */
+static task_t queue_[QUEUE_MAX];
+static int64_t queued, head; /* queue_[head .. head + queued) (mod QUEUE_MAX) */
+static int64_t workers;
+static pthread_once_t fork_handlers = PTHREAD_ONCE_INIT;
+
+static void pool_lock_all(void) { pthread_mutex_lock(&pool_lock); }
+static void pool_unlock_all(void) { pthread_mutex_unlock(&pool_lock); }
+static void pool_reset_in_child(void)
+{ /* the child has this thread only: no worker, and no call but its own in flight */
+    pthread_mutex_init(&pool_lock, NULL);
+    pthread_cond_init(&pool_work, NULL);
+    pthread_cond_init(&pool_done, NULL);
+    queued = head = workers = 0;
+}
+static void on_fork(void) { pthread_atfork(pool_lock_all, pool_unlock_all, pool_reset_in_child); }
+
+/* Run one queued task (the lock held, and released while it runs). */
+static void run_one(void)
+{
+    task_t t = queue_[head];
+    head = (head + 1) % QUEUE_MAX;
+    queued--;
+    pthread_mutex_unlock(&pool_lock);
+    t.run(t.arg);
+    pthread_mutex_lock(&pool_lock);
+    if (--*t.left == 0)
+        pthread_cond_broadcast(&pool_done);
+}
+
+static void *pool_worker(void *unused)
+{
+    (void)unused;
+    pthread_mutex_lock(&pool_lock);
+    for (;;) {
+        while (queued == 0)
+            pthread_cond_wait(&pool_work, &pool_lock);
+        run_one();
+    }
+    return NULL;
+}
+
+/* Run run(arg + i * size) for i in 0..count-1: the first here, the others on the pool (grown to count - 1
+ * workers where it has fewer) or, where it cannot take them, here too. */
+static void run_shares(void *(*run)(void *), char *arg, size_t size, int64_t count)
+{
+    pthread_once(&fork_handlers, on_fork);
+    int64_t left = 0;
+    pthread_mutex_lock(&pool_lock);
+    while (workers < count - 1 && workers < POOL_MAX) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int started = pthread_create(&t, &attr, pool_worker, NULL) == 0;
+        pthread_attr_destroy(&attr);
+        if (!started)
+            break;
+        workers++;
+    }
+    int64_t i = 1;
+    for (; i < count && queued < QUEUE_MAX && workers > 0; i++, left++, queued++)
+        queue_[(head + queued) % QUEUE_MAX] = (task_t){run, arg + i * size, &left};
+    pthread_cond_broadcast(&pool_work);
+    pthread_mutex_unlock(&pool_lock);
+    for (int64_t j = i; j < count; j++) /* no room in the queue, or no worker: read here */
+        run(arg + j * size);
+    run(arg);
+    pthread_mutex_lock(&pool_lock);
+    while (left > 0) {
+        if (queued > 0)
+            run_one();
+        else
+            pthread_cond_wait(&pool_done, &pool_lock);
+    }
+    pthread_mutex_unlock(&pool_lock);
+}
+
+/* One thread's share of a call: its segments (reads, or parts of one cut at a share's edge), each with the
+ * read it belongs to (read) and the bytes of that read before it (before). */
+typedef struct {
+    int32_t *fds;
+    int64_t *offsets, *sizes, *dst, *read, *before;
+    char *base;
+    int64_t n, ahead, bad, status[2];
+} share_t;
+
+static void *read_share(void *arg)
+{
+    share_t *s = arg;
+    s->bad = read_all(s->fds, s->offsets, s->sizes, s->base, s->dst, s->n, s->status, s->ahead);
+    return NULL;
+}
+
+/* Cut the n reads into shares of about equal bytes, at most `threads`, none under min_share bytes (unless it
+ * is the only one). Every share points into one set of segment arrays, seg, of at least n + threads rows:
+ * fds, offsets, sizes, dst, read, before. Returns the number of shares. */
+static int64_t cut_shares(const int32_t *fds, const int64_t *offsets, const int64_t *sizes, char *base,
+                          const int64_t *dst, int64_t n, int64_t threads, int64_t min_share, int64_t ahead,
+                          int64_t *seg, share_t *shares)
+{
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; i++)
+        total += sizes[i];
+    int64_t count = min_share > 0 ? total / min_share : threads;
+    count = count < 1 ? 1 : (count > threads ? threads : count);
+    const int64_t per = (total + count - 1) / count;
+    int64_t rows = n + count, k = 0, used = 0, s = 0; /* k: segments made; used: bytes in share s */
+    int32_t *sfd = (int32_t *)(seg + 5 * rows);
+    int64_t *soff = seg, *ssize = seg + rows, *sdst = seg + 2 * rows, *sread = seg + 3 * rows,
+            *sbefore = seg + 4 * rows;
+    shares[0] = (share_t){sfd, soff, ssize, sdst, sread, sbefore, base, 0, ahead, -1, {0, 0}};
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t at = 0; at < sizes[i] || (sizes[i] == 0 && at == 0);) {
+            if (used >= per && s + 1 < count) { /* this share is full: the next one starts here */
+                s++;
+                used = 0;
+                shares[s] = (share_t){sfd + k, soff + k, ssize + k, sdst + k, sread + k, sbefore + k,
+                                      base, 0, ahead, -1, {0, 0}};
+            }
+            int64_t take = sizes[i] - at;
+            if (s + 1 < count && take > per - used)
+                take = per - used;
+            sfd[k] = fds[i], soff[k] = offsets[i] + at, ssize[k] = take, sdst[k] = dst[i] + at;
+            sread[k] = i, sbefore[k] = at;
+            k++, shares[s].n++, used += take, at += take;
+            if (take == 0)
+                break;
+        }
+    }
+    return s + 1;
+}
+
+/* Read sizes[i] bytes at offsets[i] of fds[i] into base + dst[i], for i in 0..n-1.
+ *
+ * The bytes are shared among up to `threads` threads (this one and threads started for the call, joined
+ * before it returns), none given less than min_share bytes: a batch read from the page cache is a memory
+ * copy, and one thread copies a few GB/s. With ahead != 0, each share's first pass reads the cached bytes and
+ * starts the kernel's reads of the rest (read_cached_and_advise); its reads then complete in order. Returns -1
+ * when every read is whole; else the index of the first read that is not, with status[0] = its errno (0 when
+ * the file ended first) and status[1] = the bytes of it that were read. Within a share, no read after a
+ * failed one is issued, except by the first pass. */
+int64_t gpufeed_pread_many(const int32_t *fds, const int64_t *offsets, const int64_t *sizes, char *base,
+                           const int64_t *dst, int64_t n, int64_t *status, int64_t ahead, int64_t threads,
+                           int64_t min_share)
+{
+    if (threads <= 1 || n <= 0)
+        return read_all(fds, offsets, sizes, base, dst, n, status, ahead);
+    if (threads > 256)
+        threads = 256;
+    share_t shares[256];
+    int64_t *seg = malloc((size_t)(n + threads) * (5 * sizeof(int64_t) + sizeof(int32_t)));
+    if (seg == NULL)
+        return read_all(fds, offsets, sizes, base, dst, n, status, ahead);
+    int64_t count = cut_shares(fds, offsets, sizes, base, dst, n, threads, min_share, ahead, seg, shares);
+    run_shares(read_share, (char *)shares, sizeof(share_t), count);
+    int64_t bad = -1;
+    for (int64_t s = 0; s < count; s++) {
+        share_t *sh = &shares[s];
+        if (sh->bad >= 0 && (bad < 0 || sh->read[sh->bad] < bad)) {
+            bad = sh->read[sh->bad];
+            status[0] = sh->status[0];
+            status[1] = sh->before[sh->bad] + sh->status[1];
+        }
+    }
+    free(seg);
     return bad;
 }
 
@@ -154,15 +334,11 @@ static int own_sigbus(void)
     return sigaction(SIGBUS, &ours, NULL);
 }
 
-/* Copy the row_bytes at base + offsets[i] to out + i * row_bytes, for i in 0..n-1, base being a read-only
- * memory map. Returns -1 when every row is copied; else the index of the row whose page lay past the end of
- * its file (it shrank after it was mapped); -2 when the SIGBUS handler could not be set (nothing copied). */
-int64_t gpufeed_gather(const char *base, const int64_t *offsets, int64_t n, int64_t row_bytes, char *out)
+/* Copy the row_bytes at base + offsets[i] to out + i * row_bytes, for i in 0..n-1, on this thread. */
+static int64_t gather_here(const char *base, const int64_t *offsets, int64_t n, int64_t row_bytes, char *out)
 {
     sigjmp_buf back;
     volatile int64_t i = 0;
-    if (own_sigbus() != 0)
-        return -2;
     if (sigsetjmp(back, 1) != 0) { /* a page past the end of the file: row i */
         gathering = NULL;
         return i;
@@ -172,6 +348,49 @@ int64_t gpufeed_gather(const char *base, const int64_t *offsets, int64_t n, int6
         memcpy(out + i * row_bytes, base + offsets[i], (size_t)row_bytes);
     gathering = NULL;
     return -1;
+}
+
+typedef struct {
+    const char *base;
+    const int64_t *offsets;
+    int64_t n, row_bytes, bad;
+    char *out;
+} rows_t;
+
+static void *gather_share(void *arg)
+{
+    rows_t *r = arg;
+    r->bad = gather_here(r->base, r->offsets, r->n, r->row_bytes, r->out);
+    return NULL;
+}
+
+/* Copy the row_bytes at base + offsets[i] to out + i * row_bytes, for i in 0..n-1, base being a read-only
+ * memory map, the rows shared among up to `threads` threads (none given less than min_share bytes). Returns
+ * -1 when every row is copied; else the index of the first row whose page lay past the end of its file (it
+ * shrank after it was mapped); -2 when the SIGBUS handler could not be set (nothing copied). */
+int64_t gpufeed_gather(const char *base, const int64_t *offsets, int64_t n, int64_t row_bytes, char *out,
+                       int64_t threads, int64_t min_share)
+{
+    if (own_sigbus() != 0)
+        return -2;
+    int64_t count = min_share > 0 ? n * row_bytes / min_share : threads;
+    count = count < 1 ? 1 : (count > threads ? threads : count);
+    count = count > 256 ? 256 : count;
+    if (count <= 1)
+        return gather_here(base, offsets, n, row_bytes, out);
+    rows_t shares[256];
+    const int64_t per = (n + count - 1) / count;
+    for (int64_t s = 0; s < count; s++) {
+        int64_t a = s * per < n ? s * per : n, b = a + per < n ? a + per : n;
+        shares[s] = (rows_t){base, offsets + a, b - a, row_bytes, -1, out + a * row_bytes};
+    }
+    run_shares(gather_share, (char *)shares, sizeof(rows_t), count);
+    int64_t bad = -1;
+    for (int64_t s = 0; s < count; s++) {
+        if (shares[s].bad >= 0 && bad < 0)
+            bad = s * per + shares[s].bad;
+    }
+    return bad;
 }
 
 /* Whether the page cache holds the first page of the row_bytes at base + offsets[i], for every i in 0..n-1,
@@ -194,4 +413,4 @@ int64_t gpufeed_resident(const char *base, int64_t size, const int64_t *offsets,
 
 /* The calling convention above; _pread.py loads a library only when this matches what it was written for,
  * so a library left from an older build is never called with other arguments. */
-int64_t gpufeed_pread_abi(void) { return 4; }
+int64_t gpufeed_pread_abi(void) { return 5; }

@@ -98,6 +98,7 @@ class H5Source(HostFileSource):
             cache are gathered from memory maps). It applies to the fields read by byte offset in every
             file; the others (gzip chunks decoded here, h5py) keep their path. ``True`` raises ValueError
             when no field is read by byte offset (``describe()`` says how each one is read).
+        num_threads: threads one read of the fields read by byte offset spreads over, as for ``RawSource``.
 
     Raises:
         FileNotFoundError: a file is missing.
@@ -122,6 +123,7 @@ class H5Source(HostFileSource):
         use_offsets: bool = True,
         mmap_gather: bool | None = None,
         decode: str = "auto",
+        num_threads: int | None = None,
     ) -> None:
         h5py = require("h5py", "H5Source")
         if decode not in ("auto", "gpu", "cpu"):
@@ -147,7 +149,7 @@ class H5Source(HostFileSource):
         if mmap_gather is True and not any(lay.by_offset for lay in self._layouts.values()):
             raise ValueError("H5Source: mmap_gather=True applies to fields read by byte offset, and no field "
                              "here is (describe() says how each is read); leave mmap_gather at None")
-        self._open_files("H5Source", self._paths, mmap_gather)
+        self._open_files("H5Source", self._paths, mmap_gather, num_threads)
         self._h5 = _H5Files(self._paths)
         self._tables = {(i, ff[n].extents[0].dataset): ff[n].table
                         for i, ff in enumerate(found) for n in names if ff[n].table is not None}

@@ -54,6 +54,8 @@ class RawSource(HostFileSource):
             gather (a cold file's pages then fault in one at a time; without the native library a cut
             file kills the process with SIGBUS). ``False``: never map a file. Runs of consecutive rows
             are always read with ``os.preadv``.
+        num_threads: threads one read spreads over (default: up to 8), each given at least 1 MiB; a
+            prefetcher hands such a source a whole staging chunk per read (see ``parallel_reads``).
 
     Example:
         >>> np.save("x.npy", np.zeros((100, 3, 32, 32), np.uint8))      # doctest: +SKIP
@@ -77,12 +79,13 @@ class RawSource(HostFileSource):
         *,
         offset: int = 0,
         mmap_gather: bool | None = None,
+        num_threads: int | None = None,
     ) -> None:
         if paths is not None and _is_manifest(paths):
             if dtype is not None or shape is not None or name is not None:
                 raise ValueError("RawSource: a manifest records each field's name, dtype and shape; do not "
                                  "pass name=, dtype= or shape= (select fields with fields=[...])")
-            self._build(_select(_from_manifest(paths), fields, str(paths)), mmap_gather)
+            self._build(_select(_from_manifest(paths), fields, str(paths)), mmap_gather, num_threads)
             return
         name = "x" if name is None else name
         if fields is None:
@@ -101,12 +104,14 @@ class RawSource(HostFileSource):
                 f"RawSource: fields must be a non-empty mapping of name -> files, got {fields!r}"
             )
         defaults = {"dtype": dtype, "shape": shape, "offset": offset}
-        self._build([_field_files(str(n), spec, defaults) for n, spec in fields.items()], mmap_gather)
+        self._build([_field_files(str(n), spec, defaults) for n, spec in fields.items()], mmap_gather,
+                    num_threads)
 
     @classmethod
-    def from_manifest(cls, path: PathLike, *, mmap_gather: bool | None = None) -> RawSource:
+    def from_manifest(cls, path: PathLike, *, mmap_gather: bool | None = None,
+                      num_threads: int | None = None) -> RawSource:
         """Open the files a gpufeed manifest describes (``manifest.json``, or the directory holding it);
-        ``mmap_gather`` as for the constructor.
+        ``mmap_gather`` and ``num_threads`` as for the constructor.
 
         Raises:
             FileNotFoundError: no manifest there.
@@ -116,11 +121,12 @@ class RawSource(HostFileSource):
             >>> src = RawSource.from_manifest(convert_h5_to_raw("train.h5", "train.raw"))  # doctest: +SKIP
         """
         self = cls.__new__(cls)
-        self._build(_from_manifest(path), mmap_gather)
+        self._build(_from_manifest(path), mmap_gather, num_threads)
         return self
 
     def _build(
-        self, per_field: list[tuple[Field, list[tuple[str, int, int]]]], mmap_gather: bool | None
+        self, per_field: list[tuple[Field, list[tuple[str, int, int]]]], mmap_gather: bool | None,
+        num_threads: int | None,
     ) -> None:
         paths: list[str] = []
         index: dict[str, int] = {}
@@ -137,7 +143,7 @@ class RawSource(HostFileSource):
         self._layouts = layouts
         self._fields = {n: lay.field for n, lay in layouts.items()}
         self._len = len(next(iter(layouts.values())))
-        self._open_files("RawSource", paths, mmap_gather)
+        self._open_files("RawSource", paths, mmap_gather, num_threads)
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{n}: {tuple(f.shape)} {f.dtype}" for n, f in self._fields.items())
