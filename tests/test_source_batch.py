@@ -1,5 +1,6 @@
 """The staged read of source batches (the CUDA path's host half), driven on the CPU with plain memory."""
 
+import os
 import threading
 from types import SimpleNamespace
 
@@ -10,7 +11,7 @@ import torch
 from gpufeed._read_plan import regions
 from gpufeed._source_batch import EpochReads
 from gpufeed.pinned_pool import PinnedPool
-from gpufeed.sources import plan_batches
+from gpufeed.sources import RawSource, _pread, plan_batches
 from test_source_mode import ArraySource, OddSource
 
 STOP = threading.Event()
@@ -46,6 +47,42 @@ def test_staged_reads_deliver_every_byte_and_return_every_buffer(budget, src_cls
         assert copier.pool.allocated <= max(budget, 4096 * 2)
     finally:
         chain.cancel()
+
+
+@pytest.mark.skipif(_pread.backend() != "native", reason="the native reader is not built here")
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("budget", [64 << 10, 1 << 20])
+def test_a_source_that_submits_its_reads_delivers_every_byte(tmp_path, shuffle, budget):
+    """RawSource starts a chunk's read on its own threads (``submit``) and no reader thread is made;
+    scattered rows go to reader threads (they may be gathered from a memory map). A file cut under the
+    reads fails at a batch that reads past its end, and every buffer comes back."""
+    x = np.random.default_rng(3).integers(0, 1 << 30, size=(3000, 40), dtype=np.int32)
+    np.save(tmp_path / "x.npy", x)
+    src = RawSource(tmp_path / "x.npy", num_threads=4)
+    plan = plan_batches(len(src), 250, shuffle=shuffle, seed=2)
+    copier = fake_copier(budget, 16 << 10)
+    chain = EpochReads(src, plan, threads=3)
+    try:
+        for i in range(len(plan)):
+            b = chain.get(i)
+            out = {"x": torch.empty((len(b.rows), 40), dtype=torch.int32)}
+            b._read_staged(copier, out, STOP)
+            assert np.array_equal(out["x"].numpy(), x[np.asarray(list(b.rows))]), i
+        assert (chain._executor is None) == (not shuffle)
+        chain.cancel()
+        assert len(copier.pool._free) == copier.pool.allocations
+        os.truncate(tmp_path / "x.npy", os.path.getsize(tmp_path / "x.npy") // 2)
+        chain = EpochReads(src, plan_batches(len(src), 250), threads=3)
+        with pytest.raises(OSError, match=r"x\.npy"):
+            for i in range(len(chain.plan)):
+                b = chain.get(i)
+                b._read_staged(copier, {"x": torch.empty((len(b.rows), 40), dtype=torch.int32)}, STOP)
+        assert i >= 5  # the first half of the file was read
+        chain.cancel()
+        assert len(copier.pool._free) == copier.pool.allocations
+    finally:
+        chain.cancel()
+        src.close()
 
 
 def test_a_successor_started_then_abandoned_returns_its_buffers(monkeypatch):

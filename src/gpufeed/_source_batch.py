@@ -87,7 +87,9 @@ class EpochReads:
         self.source, self.plan, self.threads = source, plan, threads
         # The reads one batch (or staging chunk) is cut into: one per reader thread, or one for a source
         # that spreads a read over threads of its own.
-        self.read_threads = 1 if getattr(source, "parallel_reads", False) else threads
+        parallel = bool(getattr(source, "parallel_reads", False))
+        self.read_threads = 1 if parallel else threads
+        self.submits = parallel and callable(getattr(source, "submit", None))  # reads started threadless
         self._made: dict[int, SourceBatch] = {}
         self._executor: ThreadPoolExecutor | None = None
 
@@ -145,19 +147,30 @@ class SourceBatch(ReadRequest):
         if self._plan is None:
             self._plan = _read_plan.plan(self.source.fields, len(self.rows), self.chain.read_threads,
                                          copier.pool.chunk_bytes, copier.pool.fill_bytes)
-        pool, executor = copier.pool, self.chain.executor
+        pool = copier.pool
         while self._next < len(self._plan):
             r0, _, offsets, nbytes, pieces = self._plan[self._next]
             buf = pool.acquire(nbytes, stop) if block and not self._entries else pool.try_acquire(nbytes)
             if buf is None:
                 return False
-            jobs = self._bind(buf, offsets, r0, pieces)  # every view made before any read starts
-            if copier.trace is not None:
-                jobs = [_traced(copier.trace, j) for j in jobs]
-            run = run_now if self._one_small_read() else executor.submit  # one small read: here, no handoff
-            self._entries.append((self._plan[self._next], buf, [run(j) for j in jobs]))
+            reads = self._bind(buf, offsets, r0, pieces)  # every view made before any read starts
+            if self._one_small_read():  # one small read: here, no handoff
+                futs = [run_now(functools.partial(self.source.read, *r)) for r in reads]
+            else:
+                futs = [self._submit(copier, *r) for r in reads]
+            self._entries.append((self._plan[self._next], buf, futs))
             self._next += 1
         return True
+
+    def _submit(self, copier: Copier, rows: Any, views: Any) -> Any:
+        """Start one read: on the source's own threads where it takes it (``submit``), else on a reader
+        thread; a Future-like object either way."""
+        if self.chain.submits:
+            pending = self.source.submit(rows, views)
+            if pending is not None:
+                return pending
+        job = functools.partial(self.source.read, rows, views)
+        return self.chain.executor.submit(job if copier.trace is None else _traced(copier.trace, job))
 
     def read(self, copier: Copier, stop: threading.Event) -> Delivered:
         """Read this batch into the device (or host) tensors it returns; the copy stream is the calling
@@ -280,7 +293,7 @@ class SourceBatch(ReadRequest):
         """One read job per piece, each with its views into ``buf``. The views are cached on the buffer
         per layout: consecutive batches of one size reuse them, so binding costs no torch call (each
         drops and retakes the GIL that the readers and the training loop want)."""
-        fields, read = self.source.fields, self.source.read
+        fields = self.source.fields
         key = (tuple(offsets.values()), tuple((a - r0, b - a) for a, b in pieces),
                tuple((k, f.dtype, f.shape) for k, f in fields.items()))
         views = buf.views.get(key)
@@ -296,7 +309,7 @@ class SourceBatch(ReadRequest):
             if len(buf.views) >= 4:  # a few layouts (full batch, last batch, ...) at most
                 buf.views.clear()
             buf.views[key] = views
-        return [functools.partial(read, self.rows[a:b], v) for (a, b), v in zip(pieces, views, strict=True)]
+        return [(self.rows[a:b], v) for (a, b), v in zip(pieces, views, strict=True)]
 
     # -- shutdown ----------------------------------------------------------------------------------
 

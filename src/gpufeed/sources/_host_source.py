@@ -13,7 +13,7 @@ from ._files import FileDescriptors, pread_exact, source_label
 from ._gather import FileMaps, NotGathered, file_maps, gather_rows
 from ._layout import Layout
 from ._out_tensors import check_outs, host_bytes, rows_bytes
-from ._pread import backend, pread_many
+from ._pread import PendingReads, backend, pread_many, submit
 from ._runs import Runs, check_rows
 from .base import Field, Rows
 
@@ -105,6 +105,24 @@ class HostFileSource(FileSource):
 
     def _read_field(self, layout: Layout, runs: Runs, t: torch.Tensor) -> None:
         read_by_offset(layout, runs, t, self._fds, self._maps, self._paths, self._threads)
+
+    def submit(self, rows: Rows, out: Mapping[str, torch.Tensor]) -> PendingReads | None:
+        """Start the read :meth:`read` makes on this source's native threads and return at once: its
+        ``result()`` waits for it (the GIL released) and raises what ``read`` would. None where this read
+        goes through ``read`` instead (scattered rows, which may be gathered from a memory map, a field
+        not read by byte offset, or no native reader). ``out`` must stay alive until ``result()`` returns.
+        """
+        if not self.parallel_reads:
+            return None
+        runs = check_rows(rows, self._len, self._where)
+        bufs = check_outs(self._fields, out, runs.n, "cpu", self._where)
+        reads = []
+        for name, layout in self._layouts.items():
+            if self._maps is not None and runs.scattered(layout.row_nbytes):
+                return None
+            if runs.n:
+                reads.append((*layout.read_arrays(runs), bufs[name].data_ptr(), runs.n * layout.row_nbytes))
+        return submit(self._fds, self._paths, reads, self._threads)
 
     @property
     def num_threads(self) -> int:

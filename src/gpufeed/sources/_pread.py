@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ import numpy as np
 from ._files import FileDescriptors, pread_exact, short_read_message
 
 LIBRARY = Path(__file__).with_name("_pread_many.so")
-ABI = 5  # gpufeed_pread_abi() of the library this module calls
+ABI = 6  # gpufeed_pread_abi() of the library this module calls
 #: The fewest bytes a native read gives one thread. A read from the page cache is a memory copy, a few GB/s
 #: per thread, so a batch needs several threads; each costs a thread start (about 10 us). Measured on an
 #: H200 machine, 8 MiB batches by kvikio's C++ threads: 1 MiB tasks 31.7 GB/s, 4 MiB tasks 16.4
@@ -42,8 +43,13 @@ def _load() -> Any:
         if lib.gpufeed_pread_abi() != ABI:
             return None
         reads, gather, resident = lib.gpufeed_pread_many, lib.gpufeed_gather, lib.gpufeed_resident
+        submit, wait = lib.gpufeed_pread_submit, lib.gpufeed_pread_wait
     except (OSError, AttributeError):  # built for another platform, or a stale build
         return None
+    submit.restype = ctypes.c_void_p
+    submit.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
+    wait.restype = ctypes.c_int64
+    wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     reads.restype = gather.restype = resident.restype = ctypes.c_int64
     reads.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 3
     gather.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
@@ -61,6 +67,8 @@ GATHER = _LIB.gpufeed_gather if _LIB is not None else None
 #: ``gpufeed_resident(base, size, offsets, n, row_bytes)``: 1 when the page cache holds the first page of
 #: every row (``mincore``, nothing faulted in), else 0; None without the library.
 RESIDENT = _LIB.gpufeed_resident if _LIB is not None else None
+_SUBMIT = _LIB.gpufeed_pread_submit if _LIB is not None else None
+_WAIT = _LIB.gpufeed_pread_wait if _LIB is not None else None
 
 
 def backend() -> str:
@@ -107,6 +115,75 @@ def pread_many(
     if bad >= 0:
         f = files if isinstance(files, int) else int(files[bad])
         raise _read_error(paths[f], int(offsets[bad]), int(sizes[bad]), int(status[0]), int(status[1]))
+
+
+#: One field's reads for :func:`submit`: ``(files, offsets, sizes, dst, addr, nbytes)`` as for ``pread_many``.
+FieldReads = tuple[int | np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int]
+
+
+class PendingReads:
+    """Reads in flight on the native reader's threads (:func:`submit`), waited for as a Future is:
+    ``result(timeout)`` returns once every byte is in place, the GIL released meanwhile, or raises the
+    OSError of the first read that failed (naming its file), or ``TimeoutError`` when not done by then.
+
+    Invariant: the reads are waited for before this object goes (``__del__``), so no thread writes into
+    memory after its owner let it go; the caller keeps the destination alive until ``result`` returns.
+    """
+
+    def __init__(self, ticket: int, paths: Sequence[str], files: np.ndarray, offsets: np.ndarray,
+                 sizes: np.ndarray) -> None:
+        self._ticket: int | None = ticket
+        self._where = (paths, files, offsets, sizes)
+        self._error: OSError | None = None
+
+    def result(self, timeout: float | None = None) -> None:
+        if self._ticket is not None:
+            status = np.zeros(2, dtype=np.int64)
+            bad = _WAIT(self._ticket, status.ctypes.data, -1 if timeout is None else int(timeout * 1e6))
+            if bad == -3:
+                raise FutureTimeout
+            self._ticket = None
+            if bad >= 0:
+                paths, files, offsets, sizes = self._where
+                self._error = _read_error(paths[int(files[bad])], int(offsets[bad]), int(sizes[bad]),
+                                          int(status[0]), int(status[1]))
+        if self._error is not None:
+            raise self._error
+
+    def cancel(self) -> bool:
+        """Reads already queued are made: nothing to cancel (as a running Future's ``cancel``)."""
+        return False
+
+    def __del__(self) -> None:
+        if self._ticket is not None and _WAIT is not None:
+            _WAIT(self._ticket, np.zeros(2, dtype=np.int64).ctypes.data, -1)
+
+
+def submit(fds: FileDescriptors, paths: Sequence[str], reads: Sequence[FieldReads],
+           threads: int) -> PendingReads | None:
+    """Start the reads of several ``pread_many`` calls (one per field, each into its own memory) on the
+    native reader's threads, up to ``threads`` of them, and return at once; None without the native reader.
+
+    Raises:
+        ValueError: a read would land outside its memory (a planning bug).
+    """
+    if _SUBMIT is None or _NATIVE is None:
+        return None
+    base = min((r[4] for r in reads), default=0)
+    cols: list[list[np.ndarray]] = [[], [], [], []]
+    for files, offsets, sizes, dst, addr, nbytes in reads:
+        if len(sizes) and (int(dst.min()) < 0 or int(sizes.min()) < 0 or int((dst + sizes).max()) > nbytes):
+            raise ValueError(f"submit: reads outside the {nbytes}-byte buffer")
+        per = np.full(len(sizes), files, dtype=np.int64) if isinstance(files, (int, np.integer)) else files
+        for col, a in zip(cols, (per, offsets, sizes, dst + (addr - base)), strict=True):
+            col.append(np.asarray(a, dtype=np.int64))
+    files, offsets, sizes, dst = (np.concatenate(c) if c else np.zeros(0, np.int64) for c in cols)
+    fd_of = _fd_per_read(fds, files, len(sizes)) if len(sizes) else np.zeros(0, np.int32)
+    ticket = _SUBMIT(fd_of.ctypes.data, offsets.ctypes.data, sizes.ctypes.data, base, dst.ctypes.data,
+                     len(sizes), 1, threads, SHARE_BYTES)
+    if not ticket:
+        return None
+    return PendingReads(ticket, paths, files, offsets, sizes)
 
 
 def _fd_per_read(fds: FileDescriptors, files: int | np.ndarray, n: int) -> np.ndarray:

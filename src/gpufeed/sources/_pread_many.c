@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/mman.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -145,14 +146,15 @@ static void *pool_worker(void *unused)
     return NULL;
 }
 
-/* Run run(arg + i * size) for i in 0..count-1: the first here, the others on the pool (grown to count - 1
- * workers where it has fewer) or, where it cannot take them, here too. */
-static void run_shares(void *(*run)(void *), char *arg, size_t size, int64_t count)
+/* Queue run(arg + i * size) for i in first..count-1 on the pool, grown to `workers_wanted` threads where it
+ * has fewer, each task counted in *left; returns the first i the queue had no room (or no worker) for,
+ * which the caller runs itself. */
+static int64_t queue_shares(void *(*run)(void *), char *arg, size_t size, int64_t first, int64_t count,
+                            int64_t workers_wanted, int64_t *left)
 {
     pthread_once(&fork_handlers, on_fork);
-    int64_t left = 0;
     pthread_mutex_lock(&pool_lock);
-    while (workers < count - 1 && workers < POOL_MAX) {
+    while (workers < workers_wanted && workers < POOL_MAX) {
         pthread_t t;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
@@ -163,22 +165,43 @@ static void run_shares(void *(*run)(void *), char *arg, size_t size, int64_t cou
             break;
         workers++;
     }
-    int64_t i = 1;
-    for (; i < count && queued < QUEUE_MAX && workers > 0; i++, left++, queued++)
-        queue_[(head + queued) % QUEUE_MAX] = (task_t){run, arg + i * size, &left};
+    int64_t i = first;
+    for (; i < count && queued < QUEUE_MAX && workers > 0; i++, ++*left, queued++)
+        queue_[(head + queued) % QUEUE_MAX] = (task_t){run, arg + i * size, left};
     pthread_cond_broadcast(&pool_work);
     pthread_mutex_unlock(&pool_lock);
-    for (int64_t j = i; j < count; j++) /* no room in the queue, or no worker: read here */
-        run(arg + j * size);
-    run(arg);
+    return i;
+}
+
+/* Wait until *left is 0, running this call's own tasks that are still queued; with deadline != NULL,
+ * give up at it: 0 when done, -1 when the deadline passed first. */
+static int wait_shares(int64_t *left, const struct timespec *deadline)
+{
+    int done = 0;
     pthread_mutex_lock(&pool_lock);
-    while (left > 0) {
-        if (queued > 0)
+    while (*left > 0) {
+        if (queued > 0 && queue_[head].left == left) {
             run_one();
-        else
+        } else if (deadline == NULL) {
             pthread_cond_wait(&pool_done, &pool_lock);
+        } else if (pthread_cond_timedwait(&pool_done, &pool_lock, deadline) == ETIMEDOUT && *left > 0) {
+            done = -1;
+            break;
+        }
     }
     pthread_mutex_unlock(&pool_lock);
+    return done;
+}
+
+/* Run run(arg + i * size) for i in 0..count-1: the first here, the others on the pool (or here too, where
+ * it cannot take them), and return when all are done. */
+static void run_shares(void *(*run)(void *), char *arg, size_t size, int64_t count)
+{
+    int64_t left = 0;
+    for (int64_t j = queue_shares(run, arg, size, 1, count, count - 1, &left); j < count; j++)
+        run(arg + j * size);
+    run(arg);
+    wait_shares(&left, NULL);
 }
 
 /* One thread's share of a call: its segments (reads, or parts of one cut at a share's edge), each with the
@@ -269,6 +292,66 @@ int64_t gpufeed_pread_many(const int32_t *fds, const int64_t *offsets, const int
         }
     }
     free(seg);
+    return bad;
+}
+
+/* Reads in flight on the pool (gpufeed_pread_submit), until gpufeed_pread_wait frees them. */
+typedef struct {
+    int64_t left, count;
+    int64_t *seg;
+    share_t shares[256];
+} ticket_t;
+
+/* Start the reads gpufeed_pread_many makes, on the pool's threads, and return at once: a ticket for
+ * gpufeed_pread_wait, which must be called once for it. The memory at base + dst[i] must stay valid until
+ * then; the arrays are copied. NULL when the reads cannot be queued (no memory): read them with
+ * gpufeed_pread_many instead. Where the queue is full, or no thread could start, the reads that did not fit
+ * are made before it returns. */
+void *gpufeed_pread_submit(const int32_t *fds, const int64_t *offsets, const int64_t *sizes, char *base,
+                           const int64_t *dst, int64_t n, int64_t ahead, int64_t threads, int64_t min_share)
+{
+    threads = threads < 1 ? 1 : (threads > 256 ? 256 : threads);
+    ticket_t *t = calloc(1, sizeof *t);
+    if (t == NULL)
+        return NULL;
+    t->seg = malloc((size_t)(n + threads) * (5 * sizeof(int64_t) + sizeof(int32_t)));
+    if (t->seg == NULL) {
+        free(t);
+        return NULL;
+    }
+    t->count = n > 0 ? cut_shares(fds, offsets, sizes, base, dst, n, threads, min_share, ahead, t->seg,
+                                  t->shares) : 0;
+    int64_t j = queue_shares(read_share, (char *)t->shares, sizeof(share_t), 0, t->count, threads, &t->left);
+    for (; j < t->count; j++)
+        read_share(&t->shares[j]);
+    return t;
+}
+
+/* Wait for the reads of a ticket of gpufeed_pread_submit and free it: as gpufeed_pread_many returns. With
+ * timeout_us >= 0, -3 when they are not done by then (the ticket stays valid: wait again). */
+int64_t gpufeed_pread_wait(void *ticket, int64_t *status, int64_t timeout_us)
+{
+    ticket_t *t = ticket;
+    struct timespec deadline;
+    if (timeout_us >= 0) {
+        clock_gettime(CLOCK_REALTIME, &deadline);
+        int64_t ns = deadline.tv_nsec + (timeout_us % 1000000) * 1000;
+        deadline.tv_sec += timeout_us / 1000000 + ns / 1000000000;
+        deadline.tv_nsec = ns % 1000000000;
+    }
+    if (wait_shares(&t->left, timeout_us >= 0 ? &deadline : NULL) != 0)
+        return -3;
+    int64_t bad = -1;
+    for (int64_t s = 0; s < t->count; s++) {
+        share_t *sh = &t->shares[s];
+        if (sh->bad >= 0 && (bad < 0 || sh->read[sh->bad] < bad)) {
+            bad = sh->read[sh->bad];
+            status[0] = sh->status[0];
+            status[1] = sh->before[sh->bad] + sh->status[1];
+        }
+    }
+    free(t->seg);
+    free(t);
     return bad;
 }
 
@@ -413,4 +496,4 @@ int64_t gpufeed_resident(const char *base, int64_t size, const int64_t *offsets,
 
 /* The calling convention above; _pread.py loads a library only when this matches what it was written for,
  * so a library left from an older build is never called with other arguments. */
-int64_t gpufeed_pread_abi(void) { return 5; }
+int64_t gpufeed_pread_abi(void) { return 6; }
