@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpufeed.staging import aligned
+from gpufeed.staging import ALIGN, aligned
 
 #: The smallest read a batch is split into (a batch smaller than this is one read). Each read costs the
 #: background threads GIL handoffs, and every handoff can delay the training thread, whose torch calls
@@ -61,7 +61,8 @@ def plan(fields: Any, nrows: int, threads: int, chunk_bytes: int, fill_bytes: in
     row = row_bytes(fields)
     fill = fill_bytes if threads > 1 else None  # one reader: a chunk is one read
     out = []
-    for r0, k in split(nrows, max(1, chunk_bytes // row)):
+    per_chunk = max(1, (chunk_bytes - len(fields) * ALIGN) // row)  # each region's alignment fits too
+    for r0, k in split(nrows, per_chunk):
         offsets, nbytes = regions(fields, k)
         out.append((r0, r0 + k, offsets, nbytes, pieces(r0, r0 + k, nrows, threads, row, fill)))
     return out

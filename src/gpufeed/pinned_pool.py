@@ -41,10 +41,12 @@ class _Buffer:
 class PinnedPool:
     """A bounded pool of pinned host buffers, allocated on demand and reused for the prefetcher's life.
 
-    Buffers are allocated lazily (so the pool is sized to the batches seen) in multiples of
-    ``chunk_bytes``; the pool never holds more than ``budget`` bytes, except that a single request
-    larger than the budget is served by one buffer of that size. A buffer is handed out again only
-    after the CUDA event recorded behind its last copy completed (see :meth:`release`).
+    Buffers are allocated lazily (so the pool is sized to the batches seen), each the power of two at
+    or above its request: the block torch's caching host allocator takes for it anyway, and one that a
+    smaller request (a batch's last chunk, the epoch's last batch) reuses. The pool never holds more than
+    ``budget`` bytes, except that a single request larger than the budget is served by one buffer of that
+    size. A buffer is handed out again only after the CUDA event recorded behind its last copy completed
+    (see :meth:`release`).
 
     Pinned allocation can fail (locked-memory limits, a budget of zero): ``available`` is then False
     and the prefetcher falls back to pageable copies with one warning.
@@ -109,7 +111,7 @@ class PinnedPool:
                 buf = self._free[i]
                 if buf.nbytes >= nbytes and buf.done():
                     return self._free.pop(i)
-            size = -(-nbytes // self.chunk_bytes) * self.chunk_bytes
+            size = 1 << max(12, (nbytes - 1).bit_length())  # torch's pinned blocks are powers of two
             for buf in [b for b in self._free if b.nbytes < nbytes and b.done()]:
                 if self.allocated + size <= self.budget:
                     break
