@@ -75,7 +75,11 @@ class SourceLoader:
         pad: repeat samples so that every rank gets as many batches as the others (see
             :func:`gpufeed.sources.plan_batches`).
         num_threads: reader threads (default: up to 8; where a CPU prefetcher has no core to spare and
-            reads on the loop's thread, that thread alone). For a source that reads into device memory
+            reads on the loop's thread, that thread alone), each reading a piece of a batch. A source that
+            spreads a read over threads of its own (``parallel_reads``: gpufeed's file sources, where the
+            native reader is built; their own ``num_threads`` says how many) is given a whole staging
+            chunk per read instead, and these threads take only the reads it cannot start itself
+            (shuffled rows gathered from a memory map). For a source that reads into device memory
             (``reads_to == "device"``: ``H5Source(decode="gpu")``, GDS) it is also how many batches are
             read at once, each into device memory of its own.
 

@@ -228,3 +228,12 @@ def test_file_truncated_after_opening_raises_on_the_gather_path_too(tmp_path):
     os.truncate(tmp_path / "x.npy", os.path.getsize(tmp_path / "x.npy") - 40)
     with pytest.raises(OSError, match=r"short read from .*x.npy"):
         src.read(rows, {"x": torch.empty(len(rows), 16, dtype=torch.uint8)})
+
+
+def test_num_threads_is_checked_and_kept(tmp_path):
+    np.save(tmp_path / "x.npy", np.arange(10, dtype=np.int64))
+    assert RawSource(tmp_path / "x.npy", num_threads=3).num_threads == 3
+    assert RawSource(tmp_path / "x.npy").num_threads == min(8, os.cpu_count() or 1)
+    for bad in (0, "4", 2.0, True):
+        with pytest.raises(ValueError, match="RawSource: num_threads must be an int >= 1"):
+            RawSource(tmp_path / "x.npy", num_threads=bad)

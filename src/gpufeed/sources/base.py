@@ -46,6 +46,12 @@ class BatchSource(Protocol):
     error, never silent garbage). Sampling, batching, shuffling and sharding live in gpufeed, not in
     the source.
 
+    Optional: a source whose ``read`` spreads over threads of its own says so with a ``parallel_reads``
+    attribute that is true; gpufeed then gives it a whole staging chunk per read rather than one piece
+    per reader thread. Such a source may also have ``submit(rows, out)``, which starts that read and
+    returns at once an object whose ``result(timeout=None)`` waits for it, raising what ``read`` would
+    (or ``concurrent.futures.TimeoutError``), or returns None to have ``read`` called on a reader thread.
+
     Example:
         >>> src = RawSource("x.npy")                       # doctest: +SKIP
         >>> out = {"x": torch.empty(4, *src.fields["x"].shape, dtype=src.fields["x"].dtype)}
