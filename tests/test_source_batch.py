@@ -85,6 +85,62 @@ def test_a_source_that_submits_its_reads_delivers_every_byte(tmp_path, shuffle, 
         src.close()
 
 
+@pytest.mark.skipif(_pread.backend() != "native", reason="the native reader is not built here")
+def test_a_successor_whose_read_cannot_start_fails_at_its_own_batch_and_returns_its_buffer(tmp_path):
+    """``submit`` raising (a file that cannot open) while an earlier batch starts the reads ahead: the
+    earlier batch is whole, the error is raised by the batch whose read it was, every buffer comes back."""
+    x = np.arange(40_000 * 64, dtype=np.int32).reshape(40_000, 64)  # batches of 2 MiB: not read inline
+    np.save(tmp_path / "x.npy", x)
+    src = RawSource(tmp_path / "x.npy", num_threads=2)
+    real = src.submit
+
+    def submit(rows, out):
+        if rows.start >= 24_000:
+            raise OSError(24, "Too many open files (injected)")
+        return real(rows, out)
+
+    src.submit = submit
+    copier = fake_copier(64 << 20, 4 << 20)
+    chain = EpochReads(src, plan_batches(len(src), 8000), threads=2)
+    got = []
+    with pytest.raises(OSError, match="injected"):
+        for i in range(len(chain.plan)):
+            b = chain.get(i)
+            out = {"x": torch.empty((len(b.rows), 64), dtype=torch.int32)}
+            b._read_staged(copier, out, STOP)
+            got.append(out["x"].numpy().copy())
+    assert len(got) == 3 and np.array_equal(np.concatenate(got), x[:24_000])
+    chain.cancel()
+    assert len(copier.pool._free) == copier.pool.allocations
+    src.close()
+
+
+@pytest.mark.skipif(_pread.backend() != "native", reason="the native reader is not built here")
+def test_pending_reads_give_the_same_result_every_time(tmp_path):
+    """A wait may be repeated (a Ctrl-C between the wait and its bookkeeping calls it again): the same
+    result, and the same error, each time."""
+    from gpufeed.sources._files import FileDescriptors
+
+    (tmp_path / "f").write_bytes(bytes(range(256)) * 64)
+    fds = FileDescriptors([str(tmp_path / "f")])
+    buf = torch.zeros(4096, dtype=torch.uint8)
+
+    def one(size):
+        where = np.array([100], np.int64), np.array([size], np.int64), np.zeros(1, np.int64)
+        return 0, *where, buf.data_ptr(), 4096
+
+    pending = _pread.submit(fds, ["f"], [one(4096)], 4, keep=buf)
+    pending.result()
+    pending.result()
+    assert bytes(buf.numpy()) == (bytes(range(256)) * 64)[100:4196]
+    os.truncate(tmp_path / "f", 1000)
+    pending = _pread.submit(fds, ["f"], [one(4096)], 4, keep=buf)
+    for _ in range(2):
+        with pytest.raises(OSError, match="expected 4096 bytes at offset 100, got 900"):
+            pending.result(timeout=5)
+    fds.close()
+
+
 def test_a_successor_started_then_abandoned_returns_its_buffers(monkeypatch):
     import gpufeed._read_plan as sb
 

@@ -54,7 +54,8 @@ def run_now(job: Callable[[], Any]) -> Future:
     return fut
 
 
-
+def _raise(exc: BaseException) -> None:
+    raise exc
 
 
 def _traced(trace: Any, job: Callable[[], None]) -> Callable[[], None]:
@@ -166,7 +167,10 @@ class SourceBatch(ReadRequest):
         """Start one read: on the source's own threads where it takes it (``submit``), else on a reader
         thread; a Future-like object either way."""
         if self.chain.submits:
-            pending = self.source.submit(rows, views)
+            try:
+                pending = self.source.submit(rows, views)
+            except Exception as exc:  # (a file that cannot open ...) raised by this batch's read, in turn
+                pending = run_now(functools.partial(_raise, exc))
             if pending is not None:
                 return pending
         job = functools.partial(self.source.read, rows, views)

@@ -197,6 +197,40 @@ print("child", os.waitstatus_to_exitcode(status), "parent", read())
     assert got.stdout.split() == ["child", "0", "parent", "True"], got.stderr
 
 
+def test_reads_in_flight_at_a_fork_are_not_the_childs(tmp_path):
+    """A forked child's copy of reads its parent started raises at once instead of waiting on threads it
+    does not have, and lets them go without a hang; the parent's own wait is whole."""
+    if _pread._NATIVE is None:
+        pytest.skip("the native reader was not built here (pip install -e . builds it)")
+    code = """
+import os, sys
+import numpy as np
+from gpufeed.sources import _pread
+from gpufeed.sources._files import FileDescriptors
+data = np.arange(1 << 22, dtype=np.uint8)
+path = sys.argv[1]
+data.tofile(path)
+fds = FileDescriptors([path])
+buf = np.zeros(len(data), dtype=np.uint8)
+reads = [(0, np.array([0]), np.array([len(data)]), np.array([0]), buf.ctypes.data, len(data))]
+pending = _pread.submit(fds, [path], reads, 8, keep=buf)
+pid = os.fork()
+if pid == 0:
+    try:
+        pending.result(timeout=10)
+        os._exit(3)
+    except OSError as exc:
+        del pending
+        os._exit(0 if "forked" in str(exc) else 4)
+_, status = os.waitpid(pid, 0)
+pending.result()
+print("child", os.waitstatus_to_exitcode(status), "parent", bool((buf == data).all()))
+"""
+    got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "f")], capture_output=True, text=True,
+                         timeout=60)
+    assert got.stdout.split() == ["child", "0", "parent", "True"], got.stderr
+
+
 def test_python_loop_resumes_short_reads(tmp_path, monkeypatch):
     x = np.arange(4000, dtype=np.uint8).reshape(400, 10)
     np.save(tmp_path / "x.npy", x)

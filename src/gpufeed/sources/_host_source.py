@@ -122,7 +122,7 @@ class HostFileSource(FileSource):
                 return None
             if runs.n:
                 reads.append((*layout.read_arrays(runs), bufs[name].data_ptr(), runs.n * layout.row_nbytes))
-        return submit(self._fds, self._paths, reads, self._threads)
+        return submit(self._fds, self._paths, reads, self._threads, keep=bufs)
 
     @property
     def num_threads(self) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 from ._files import FileDescriptors, pread_exact, short_read_message
 
 LIBRARY = Path(__file__).with_name("_pread_many.so")
-ABI = 6  # gpufeed_pread_abi() of the library this module calls
+ABI = 7  # gpufeed_pread_abi() of the library this module calls
 #: The fewest bytes a native read gives one thread. A read from the page cache is a memory copy, a few GB/s
 #: per thread, so a batch needs several threads; each costs a thread start (about 10 us). Measured on an
 #: H200 machine, 8 MiB batches by kvikio's C++ threads: 1 MiB tasks 31.7 GB/s, 4 MiB tasks 16.4
@@ -43,9 +43,11 @@ def _load() -> Any:
         if lib.gpufeed_pread_abi() != ABI:
             return None
         reads, gather, resident = lib.gpufeed_pread_many, lib.gpufeed_gather, lib.gpufeed_resident
-        submit, wait = lib.gpufeed_pread_submit, lib.gpufeed_pread_wait
+        submit, wait, free = lib.gpufeed_pread_submit, lib.gpufeed_pread_wait, lib.gpufeed_pread_free
     except (OSError, AttributeError):  # built for another platform, or a stale build
         return None
+    free.restype = None
+    free.argtypes = [ctypes.c_void_p]
     submit.restype = ctypes.c_void_p
     submit.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
     wait.restype = ctypes.c_int64
@@ -69,6 +71,7 @@ GATHER = _LIB.gpufeed_gather if _LIB is not None else None
 RESIDENT = _LIB.gpufeed_resident if _LIB is not None else None
 _SUBMIT = _LIB.gpufeed_pread_submit if _LIB is not None else None
 _WAIT = _LIB.gpufeed_pread_wait if _LIB is not None else None
+_FREE = _LIB.gpufeed_pread_free if _LIB is not None else None
 
 
 def backend() -> str:
@@ -89,8 +92,9 @@ def pread_many(
     flight per thread; ``ahead=False`` is one blocking ``pread`` per read (a plain random-read baseline).
     The Python loop reads without it.
 
-    The native reader shares the bytes among up to ``threads`` threads (this one and threads it starts and
-    joins), none given less than :data:`SHARE_BYTES`; the Python loop reads them on this thread.
+    The native reader shares the bytes among up to ``threads`` threads (this one and the native pool's,
+    started once per process), none given less than :data:`SHARE_BYTES`; the Python loop reads them on
+    this thread.
 
     Raises:
         OSError: a read failed, or the file ended early; the message names the file.
@@ -126,27 +130,34 @@ class PendingReads:
     ``result(timeout)`` returns once every byte is in place, the GIL released meanwhile, or raises the
     OSError of the first read that failed (naming its file), or ``TimeoutError`` when not done by then.
 
-    Invariant: the reads are waited for before this object goes (``__del__``), so no thread writes into
-    memory after its owner let it go; the caller keeps the destination alive until ``result`` returns.
+    Invariants: the reads are waited for before this object goes (``__del__``), and it keeps the memory
+    they land in (``keep``), so no thread writes into memory its owner let go. The native ticket is freed
+    only after a wait returned and this object forgot it: an interrupt between the two leaks it, never
+    frees it twice.
     """
 
     def __init__(self, ticket: int, paths: Sequence[str], files: np.ndarray, offsets: np.ndarray,
-                 sizes: np.ndarray) -> None:
+                 sizes: np.ndarray, keep: object) -> None:
         self._ticket: int | None = ticket
         self._where = (paths, files, offsets, sizes)
+        self._keep = keep
+        self._status = np.zeros(2, dtype=np.int64)  # made now: __del__ may run at interpreter exit
         self._error: OSError | None = None
 
     def result(self, timeout: float | None = None) -> None:
         if self._ticket is not None:
-            status = np.zeros(2, dtype=np.int64)
-            bad = _WAIT(self._ticket, status.ctypes.data, -1 if timeout is None else int(timeout * 1e6))
+            wait_us = -1 if timeout is None else max(0, int(timeout * 1e6))
+            bad = _WAIT(self._ticket, self._status.ctypes.data, wait_us)  # (the same again if called again)
             if bad == -3:
                 raise FutureTimeout
-            self._ticket = None
             if bad >= 0:
                 paths, files, offsets, sizes = self._where
                 self._error = _read_error(paths[int(files[bad])], int(offsets[bad]), int(sizes[bad]),
-                                          int(status[0]), int(status[1]))
+                                          int(self._status[0]), int(self._status[1]))
+            elif bad == -4:
+                self._error = OSError("these reads were started by the process this one was forked from")
+            ticket, self._ticket, self._keep = self._ticket, None, None
+            _FREE(ticket)
         if self._error is not None:
             raise self._error
 
@@ -155,14 +166,18 @@ class PendingReads:
         return False
 
     def __del__(self) -> None:
-        if self._ticket is not None and _WAIT is not None:
-            _WAIT(self._ticket, np.zeros(2, dtype=np.int64).ctypes.data, -1)
+        ticket = self._ticket
+        if ticket is not None and _WAIT is not None:
+            self._ticket = None
+            if _WAIT(ticket, self._status.ctypes.data, -1) != -4:  # a forked child's copy: not its reads
+                _FREE(ticket)
 
 
-def submit(fds: FileDescriptors, paths: Sequence[str], reads: Sequence[FieldReads],
-           threads: int) -> PendingReads | None:
+def submit(fds: FileDescriptors, paths: Sequence[str], reads: Sequence[FieldReads], threads: int,
+           keep: object = None) -> PendingReads | None:
     """Start the reads of several ``pread_many`` calls (one per field, each into its own memory) on the
     native reader's threads, up to ``threads`` of them, and return at once; None without the native reader.
+    ``keep``: what holds the memory the reads land in, kept until they are done.
 
     Raises:
         ValueError: a read would land outside its memory (a planning bug).
@@ -183,7 +198,7 @@ def submit(fds: FileDescriptors, paths: Sequence[str], reads: Sequence[FieldRead
                      len(sizes), 1, threads, SHARE_BYTES)
     if not ticket:
         return None
-    return PendingReads(ticket, paths, files, offsets, sizes)
+    return PendingReads(ticket, paths, files, offsets, sizes, keep)
 
 
 def _fd_per_read(fds: FileDescriptors, files: int | np.ndarray, n: int) -> np.ndarray:

@@ -108,18 +108,33 @@ static pthread_cond_t pool_done = PTHREAD_COND_INITIALIZER; /* a call's last sha
 static task_t queue_[QUEUE_MAX];
 static int64_t queued, head; /* queue_[head .. head + queued) (mod QUEUE_MAX) */
 static int64_t workers;
-static pthread_once_t fork_handlers = PTHREAD_ONCE_INIT;
+static pthread_once_t set_up = PTHREAD_ONCE_INIT;
 
+static int64_t generation; /* a forked child's pool is a new one: tickets of its parent's are not its */
+
+static void monotonic_done(void)
+{ /* waits with a deadline measure it on the monotonic clock: a change of the wall clock moves none */
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&pool_done, &attr);
+    pthread_condattr_destroy(&attr);
+}
 static void pool_lock_all(void) { pthread_mutex_lock(&pool_lock); }
 static void pool_unlock_all(void) { pthread_mutex_unlock(&pool_lock); }
 static void pool_reset_in_child(void)
 { /* the child has this thread only: no worker, and no call but its own in flight */
     pthread_mutex_init(&pool_lock, NULL);
     pthread_cond_init(&pool_work, NULL);
-    pthread_cond_init(&pool_done, NULL);
+    monotonic_done();
     queued = head = workers = 0;
+    generation++;
 }
-static void on_fork(void) { pthread_atfork(pool_lock_all, pool_unlock_all, pool_reset_in_child); }
+static void pool_setup(void)
+{
+    monotonic_done();
+    pthread_atfork(pool_lock_all, pool_unlock_all, pool_reset_in_child);
+}
 
 /* Run one queued task (the lock held, and released while it runs). */
 static void run_one(void)
@@ -152,7 +167,7 @@ static void *pool_worker(void *unused)
 static int64_t queue_shares(void *(*run)(void *), char *arg, size_t size, int64_t first, int64_t count,
                             int64_t workers_wanted, int64_t *left)
 {
-    pthread_once(&fork_handlers, on_fork);
+    pthread_once(&set_up, pool_setup);
     pthread_mutex_lock(&pool_lock);
     while (workers < workers_wanted && workers < POOL_MAX) {
         pthread_t t;
@@ -261,8 +276,8 @@ static int64_t cut_shares(const int32_t *fds, const int64_t *offsets, const int6
 
 /* Read sizes[i] bytes at offsets[i] of fds[i] into base + dst[i], for i in 0..n-1.
  *
- * The bytes are shared among up to `threads` threads (this one and threads started for the call, joined
- * before it returns), none given less than min_share bytes: a batch read from the page cache is a memory
+ * The bytes are shared among up to `threads` threads (this one and the pool's, all done before it
+ * returns), none given less than min_share bytes: a batch read from the page cache is a memory
  * copy, and one thread copies a few GB/s. With ahead != 0, each share's first pass reads the cached bytes and
  * starts the kernel's reads of the rest (read_cached_and_advise); its reads then complete in order. Returns -1
  * when every read is whole; else the index of the first read that is not, with status[0] = its errno (0 when
@@ -295,18 +310,18 @@ int64_t gpufeed_pread_many(const int32_t *fds, const int64_t *offsets, const int
     return bad;
 }
 
-/* Reads in flight on the pool (gpufeed_pread_submit), until gpufeed_pread_wait frees them. */
+/* Reads in flight on the pool (gpufeed_pread_submit), until gpufeed_pread_free. */
 typedef struct {
-    int64_t left, count;
+    int64_t left, count, generation, done, bad, status[2];
     int64_t *seg;
     share_t shares[256];
 } ticket_t;
 
 /* Start the reads gpufeed_pread_many makes, on the pool's threads, and return at once: a ticket for
- * gpufeed_pread_wait, which must be called once for it. The memory at base + dst[i] must stay valid until
- * then; the arrays are copied. NULL when the reads cannot be queued (no memory): read them with
- * gpufeed_pread_many instead. Where the queue is full, or no thread could start, the reads that did not fit
- * are made before it returns. */
+ * gpufeed_pread_wait, to be freed with gpufeed_pread_free once waited for. The memory at base + dst[i] must
+ * stay valid until then; the arrays are copied. NULL when the reads cannot be queued (no memory): read them
+ * with gpufeed_pread_many instead. Where the queue is full, or no thread could start, the reads that did
+ * not fit are made before it returns. */
 void *gpufeed_pread_submit(const int32_t *fds, const int64_t *offsets, const int64_t *sizes, char *base,
                            const int64_t *dst, int64_t n, int64_t ahead, int64_t threads, int64_t min_share)
 {
@@ -319,40 +334,61 @@ void *gpufeed_pread_submit(const int32_t *fds, const int64_t *offsets, const int
         free(t);
         return NULL;
     }
+    pthread_once(&set_up, pool_setup);
+    pthread_mutex_lock(&pool_lock);
+    t->generation = generation;
+    pthread_mutex_unlock(&pool_lock);
     t->count = n > 0 ? cut_shares(fds, offsets, sizes, base, dst, n, threads, min_share, ahead, t->seg,
                                   t->shares) : 0;
-    int64_t j = queue_shares(read_share, (char *)t->shares, sizeof(share_t), 0, t->count, threads, &t->left);
+    int64_t j = queue_shares(read_share, (char *)t->shares, sizeof(share_t), 0, t->count, t->count, &t->left);
     for (; j < t->count; j++)
         read_share(&t->shares[j]);
     return t;
 }
 
-/* Wait for the reads of a ticket of gpufeed_pread_submit and free it: as gpufeed_pread_many returns. With
- * timeout_us >= 0, -3 when they are not done by then (the ticket stays valid: wait again). */
+/* Wait for the reads of a ticket of gpufeed_pread_submit: as gpufeed_pread_many returns, and the same again
+ * on a later call. With timeout_us >= 0, -3 when they are not done by then; -4 for a ticket of the process
+ * this one was forked from (its reads are not this process's). */
 int64_t gpufeed_pread_wait(void *ticket, int64_t *status, int64_t timeout_us)
 {
     ticket_t *t = ticket;
-    struct timespec deadline;
-    if (timeout_us >= 0) {
-        clock_gettime(CLOCK_REALTIME, &deadline);
-        int64_t ns = deadline.tv_nsec + (timeout_us % 1000000) * 1000;
-        deadline.tv_sec += timeout_us / 1000000 + ns / 1000000000;
-        deadline.tv_nsec = ns % 1000000000;
-    }
-    if (wait_shares(&t->left, timeout_us >= 0 ? &deadline : NULL) != 0)
-        return -3;
-    int64_t bad = -1;
-    for (int64_t s = 0; s < t->count; s++) {
-        share_t *sh = &t->shares[s];
-        if (sh->bad >= 0 && (bad < 0 || sh->read[sh->bad] < bad)) {
-            bad = sh->read[sh->bad];
-            status[0] = sh->status[0];
-            status[1] = sh->before[sh->bad] + sh->status[1];
+    if (!t->done) {
+        pthread_mutex_lock(&pool_lock);
+        int stale = t->generation != generation;
+        pthread_mutex_unlock(&pool_lock);
+        if (stale)
+            return -4;
+        struct timespec deadline;
+        if (timeout_us >= 0) {
+            clock_gettime(CLOCK_MONOTONIC, &deadline);
+            int64_t ns = deadline.tv_nsec + (timeout_us % 1000000) * 1000;
+            deadline.tv_sec += timeout_us / 1000000 + ns / 1000000000;
+            deadline.tv_nsec = ns % 1000000000;
         }
+        if (wait_shares(&t->left, timeout_us >= 0 ? &deadline : NULL) != 0)
+            return -3;
+        t->bad = -1;
+        for (int64_t s = 0; s < t->count; s++) {
+            share_t *sh = &t->shares[s];
+            if (sh->bad >= 0 && (t->bad < 0 || sh->read[sh->bad] < t->bad)) {
+                t->bad = sh->read[sh->bad];
+                t->status[0] = sh->status[0];
+                t->status[1] = sh->before[sh->bad] + sh->status[1];
+            }
+        }
+        t->done = 1;
     }
+    status[0] = t->status[0];
+    status[1] = t->status[1];
+    return t->bad;
+}
+
+/* Free a ticket whose wait returned (or one of the process this one was forked from). */
+void gpufeed_pread_free(void *ticket)
+{
+    ticket_t *t = ticket;
     free(t->seg);
     free(t);
-    return bad;
 }
 
 /* A page of a mapping past the end of its file raises SIGBUS when touched (the file was cut after it was
@@ -458,7 +494,7 @@ int64_t gpufeed_gather(const char *base, const int64_t *offsets, int64_t n, int6
         return -2;
     int64_t count = min_share > 0 ? n * row_bytes / min_share : threads;
     count = count < 1 ? 1 : (count > threads ? threads : count);
-    count = count > 256 ? 256 : count;
+    count = count > 256 ? 256 : (count > n ? n : count);
     if (count <= 1)
         return gather_here(base, offsets, n, row_bytes, out);
     rows_t shares[256];
@@ -496,4 +532,4 @@ int64_t gpufeed_resident(const char *base, int64_t size, const int64_t *offsets,
 
 /* The calling convention above; _pread.py loads a library only when this matches what it was written for,
  * so a library left from an older build is never called with other arguments. */
-int64_t gpufeed_pread_abi(void) { return 6; }
+int64_t gpufeed_pread_abi(void) { return 7; }
