@@ -110,7 +110,8 @@ class HostFileSource(FileSource):
         """Start the read :meth:`read` makes on this source's native threads and return at once: its
         ``result()`` waits for it (the GIL released) and raises what ``read`` would. None where this read
         goes through ``read`` instead (scattered rows, which may be gathered from a memory map, a field
-        not read by byte offset, or no native reader). ``out`` must stay alive until ``result()`` returns.
+        not read by byte offset, or no native reader). The returned object holds ``out``'s memory until
+        the read is done.
         """
         if not self.parallel_reads:
             return None
