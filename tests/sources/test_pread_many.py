@@ -267,3 +267,23 @@ def test_a_library_of_another_calling_convention_is_never_called(abi, tmp_path, 
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
     monkeypatch.setattr(_pread, "LIBRARY", lib)
     assert _pread._load() is None
+
+
+def test_reads_spread_over_threads_only_where_the_source_is_read_a_chunk_at_a_time(tmp_path, monkeypatch):
+    """A source with a field decoded here (gzip) is cut into pieces for reader threads: its by-offset
+    fields are then read on one thread a piece, not a pool's worth each; one without is spread."""
+    h5py = pytest.importorskip("h5py")
+    if _pread._NATIVE is None:
+        pytest.skip("the native reader was not built here (pip install -e . builds it)")
+    real, threads = _pread._NATIVE, []
+    monkeypatch.setattr(_pread, "_NATIVE", lambda *a: (threads.append(a[8]), real(*a))[1])
+    x = np.arange(4000 * 8, dtype=np.float32).reshape(4000, 8)
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f.create_dataset("x", data=x)
+        f.create_dataset("z", data=x, chunks=(100, 8), compression="gzip")
+    for fields, parallel, want in ((["x", "z"], False, 1), (["x"], True, 3)):
+        threads.clear()
+        with H5Source(tmp_path / "d.h5", fields=fields, num_threads=3, mmap_gather=False) as src:
+            assert src.parallel_reads is parallel
+            out = _read(src, range(100, 3000), src.fields)
+        assert np.array_equal(out["x"].numpy(), x[100:3000]) and threads == [want]

@@ -104,7 +104,9 @@ class HostFileSource(FileSource):
             self._read_field(layout, runs, bufs[name])
 
     def _read_field(self, layout: Layout, runs: Runs, t: torch.Tensor) -> None:
-        read_by_offset(layout, runs, t, self._fds, self._maps, self._paths, self._threads)
+        # A source whose reads gpufeed cuts into pieces for its reader threads reads each on one thread.
+        threads = self._threads if self.parallel_reads else 1
+        read_by_offset(layout, runs, t, self._fds, self._maps, self._paths, threads)
 
     def submit(self, rows: Rows, out: Mapping[str, torch.Tensor]) -> PendingReads | None:
         """Start the read :meth:`read` makes on this source's native threads and return at once: its
