@@ -141,6 +141,25 @@ def test_pending_reads_give_the_same_result_every_time(tmp_path):
     fds.close()
 
 
+@pytest.mark.skipif(_pread.backend() != "native", reason="the native reader is not built here")
+def test_reads_started_on_the_sources_threads_are_traced(tmp_path):
+    """No reader thread records a fill for them: each chunk's read is a ``read`` span of its own track."""
+    from gpufeed._tracing import TraceRecorder
+
+    x = np.arange(24_000 * 64, dtype=np.int32).reshape(24_000, 64)  # 2 MiB batches, chunks of 1 MiB
+    np.save(tmp_path / "x.npy", x)
+    copier = fake_copier(64 << 20, 1 << 20)
+    copier.trace = TraceRecorder()
+    with RawSource(tmp_path / "x.npy") as src:
+        chain = EpochReads(src, plan_batches(len(src), 8000), threads=2)
+        for i in range(len(chain.plan)):
+            b = chain.get(i)
+            b._read_staged(copier, {"x": torch.empty((len(b.rows), 64), dtype=torch.int32)}, STOP)
+        chain.cancel()
+    spans = [e for e in copier.trace._trace_events() if e.get("ph") == "X"]
+    assert [e["name"] for e in spans] == ["read"] * 6 and all(e["dur"] >= 0 for e in spans)  # 2 a batch
+
+
 def test_a_successor_started_then_abandoned_returns_its_buffers(monkeypatch):
     import gpufeed._read_plan as sb
 

@@ -80,6 +80,33 @@ def _result(fut: Future, stop: threading.Event | None, swallow: bool = False) ->
             raise
 
 
+class _TracedRead:
+    """A read started on a source's own threads, traced as a ``read`` span from its start until the
+    fetching thread finds it done (there is no reader thread to record a ``fill``)."""
+
+    def __init__(self, pending: Any, trace: Any) -> None:
+        self.pending, self.trace, self.t0 = pending, trace, time.perf_counter_ns()
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            out = self.pending.result(timeout)
+        except FutureTimeout:
+            raise
+        except BaseException:
+            self._record()
+            raise
+        self._record()
+        return out
+
+    def _record(self) -> None:
+        if self.t0 is not None:
+            self.trace.add("read", self.t0, time.perf_counter_ns(), "gpufeed-read")
+            self.t0 = None
+
+    def cancel(self) -> bool:
+        return bool(self.pending.cancel())
+
+
 class EpochReads:
     """The SourceBatch objects of one epoch, made on demand so a batch can reach its successor, and the
     reader threads they share (started on first use, stopped by :meth:`cancel`)."""
@@ -172,7 +199,7 @@ class SourceBatch(ReadRequest):
             except Exception as exc:  # (a file that cannot open ...) raised by this batch's read, in turn
                 pending = run_now(functools.partial(_raise, exc))
             if pending is not None:
-                return pending
+                return pending if copier.trace is None else _TracedRead(pending, copier.trace)
         job = functools.partial(self.source.read, rows, views)
         return self.chain.executor.submit(job if copier.trace is None else _traced(copier.trace, job))
 
