@@ -1,11 +1,13 @@
 """Many positional reads in one call: the compiled ``gpufeed_pread_many`` (``_pread_many.c``) where the
 package was built with it, else a Python loop of ``os.preadv``. Both raise the same OSError naming the file.
 
-Why: a shuffled batch is thousands of short runs, and each ``os.preadv`` from Python drops and retakes the
-GIL, so the reader threads take turns at it however many there are. A ctypes call
-releases the GIL once for all the reads of a piece (docs/design.md, "Shuffled rows"), and on Linux it first
-starts the kernel's reads of every read of a page or more that the page cache lacks, so a cold batch's
-reads are all in flight.
+Why: a batch is read from the page cache at a few GB/s a thread, so it needs several threads, and a
+shuffled batch is thousands of short runs; each ``os.preadv`` from Python drops and retakes the GIL, so
+Python threads take turns at it however many there are. A ctypes call releases the GIL once for all the
+reads of a call, which the library shares among its own threads (:func:`pread_many`) or starts and returns
+(:func:`submit`); on Linux it first starts the kernel's reads of every read of a page or more that the
+page cache lacks, so a cold batch's reads are all in flight (docs/design.md, "Reading a BatchSource" and
+"Shuffled rows").
 
 The library is built by ``hatch_build.py`` when the package is built, never at run time; set
 ``GPUFEED_NATIVE_PREAD=0`` to use the Python loop anyway.

@@ -1,12 +1,13 @@
-/* pread_many: many positional reads in one call, for gpufeed's reader threads; gather: rows copied out of a
- * memory map, a file that shrinks under it raising an error instead of killing the process; and resident:
- * whether rows of a memory map lie in the page cache, which decides between the two.
+/* pread_many: many positional reads in one call, shared among a pool of native threads, and the same reads
+ * started without waiting (submit, then wait); gather: rows copied out of a memory map, a file that shrinks
+ * under it raising an error instead of killing the process; and resident: whether rows of a memory map lie
+ * in the page cache, which decides between the two.
  *
- * Loaded with ctypes (sources/_pread.py), which releases the GIL for the whole call: a shuffled batch's
- * thousands of reads cost one GIL handoff per piece instead of one per read. Plain C and POSIX (plus Linux's
- * preadv2 where the headers have it), no CPython API, so one build serves every Python version. Built by
- * hatch_build.py when the package is built; where it could not be built, gpufeed reads with os.preadv from
- * Python instead.
+ * Loaded with ctypes (sources/_pread.py), which releases the GIL for the whole call: a batch's reads cost
+ * one GIL handoff, however many they are and however many threads read them. Plain C, POSIX threads (plus
+ * Linux's preadv2 where the headers have it), no CPython API, so one build serves every Python version.
+ * Built by hatch_build.py when the package is built; where it could not be built, gpufeed reads with
+ * os.preadv from Python instead.
  */
 #define _GNU_SOURCE          /* preadv2 and RWF_NOWAIT (Linux) */
 #define _FILE_OFFSET_BITS 64 /* 64-bit off_t on 32-bit platforms too: files past 2 GiB */
