@@ -54,8 +54,11 @@ def run_now(job: Callable[[], Any]) -> Future:
     return fut
 
 
-def _raise(exc: BaseException) -> None:
-    raise exc
+def _failed(exc: BaseException) -> Future:
+    """A done Future holding ``exc``."""
+    fut: Future = Future()
+    fut.set_exception(exc)
+    return fut
 
 
 def _traced(trace: Any, job: Callable[[], None]) -> Callable[[], None]:
@@ -197,7 +200,7 @@ class SourceBatch(ReadRequest):
             try:
                 pending = self.source.submit(rows, views)
             except Exception as exc:  # (a file that cannot open ...) raised by this batch's read, in turn
-                pending = run_now(functools.partial(_raise, exc))
+                pending = _failed(exc)
             if pending is not None:
                 return pending if copier.trace is None else _TracedRead(pending, copier.trace)
         job = functools.partial(self.source.read, rows, views)

@@ -107,8 +107,7 @@ def pread_many(
         return
     if isinstance(files, np.integer):
         files = int(files)
-    if int(dst.min()) < 0 or int(sizes.min()) < 0 or int((dst + sizes).max()) > nbytes:
-        raise ValueError(f"pread_many: reads outside the {nbytes}-byte buffer")
+    _check_inside(dst, sizes, nbytes, "pread_many")
     native = _NATIVE
     if native is None:
         _python_loop(fds, paths, files, offsets, sizes, dst, addr, nbytes)
@@ -138,24 +137,27 @@ class PendingReads:
     frees it twice.
     """
 
-    def __init__(self, ticket: int, paths: Sequence[str], files: np.ndarray, offsets: np.ndarray,
+    def __init__(self, ticket: int, paths: Sequence[str], files: int | np.ndarray, offsets: np.ndarray,
                  sizes: np.ndarray, keep: object) -> None:
         self._ticket: int | None = ticket
         self._where = (paths, files, offsets, sizes)
         self._keep = keep
-        self._status = np.zeros(2, dtype=np.int64)  # made now: __del__ may run at interpreter exit
+        # Made now, its address too: __del__ may run at interpreter exit, when numpy can import nothing.
+        self._status = np.zeros(2, dtype=np.int64)
+        self._status_at = self._status.ctypes.data
         self._error: OSError | None = None
 
     def result(self, timeout: float | None = None) -> None:
         if self._ticket is not None:
             wait_us = -1 if timeout is None else max(0, int(timeout * 1e6))
-            bad = _WAIT(self._ticket, self._status.ctypes.data, wait_us)  # (the same again if called again)
+            bad = _WAIT(self._ticket, self._status_at, wait_us)  # (the same again if called again)
             if bad == -3:
                 raise FutureTimeout
             if bad >= 0:
                 paths, files, offsets, sizes = self._where
-                self._error = _read_error(paths[int(files[bad])], int(offsets[bad]), int(sizes[bad]),
-                                          int(self._status[0]), int(self._status[1]))
+                f = files if isinstance(files, int) else int(files[bad])
+                self._error = _read_error(paths[f], int(offsets[bad]), int(sizes[bad]), int(self._status[0]),
+                                          int(self._status[1]))
             elif bad == -4:
                 self._error = OSError("these reads were started by the process this one was forked from")
             ticket, self._ticket, self._keep = self._ticket, None, None
@@ -171,7 +173,7 @@ class PendingReads:
         ticket = self._ticket
         if ticket is not None and _WAIT is not None:
             self._ticket = None
-            if _WAIT(ticket, self._status.ctypes.data, -1) != -4:  # a forked child's copy: not its reads
+            if _WAIT(ticket, self._status_at, -1) != -4:  # a forked child's copy: not its reads
                 _FREE(ticket)
 
 
@@ -186,21 +188,35 @@ def submit(fds: FileDescriptors, paths: Sequence[str], reads: Sequence[FieldRead
     """
     if _SUBMIT is None or _NATIVE is None:
         return None
+    for _, _, sizes, dst, _, nbytes in reads:
+        _check_inside(dst, sizes, nbytes, "submit")
+    reads = [(int(r[0]), *r[1:]) if isinstance(r[0], (int, np.integer)) else r for r in reads]
     base = min((r[4] for r in reads), default=0)
-    cols: list[list[np.ndarray]] = [[], [], [], []]
-    for files, offsets, sizes, dst, addr, nbytes in reads:
-        if len(sizes) and (int(dst.min()) < 0 or int(sizes.min()) < 0 or int((dst + sizes).max()) > nbytes):
-            raise ValueError(f"submit: reads outside the {nbytes}-byte buffer")
-        per = np.full(len(sizes), files, dtype=np.int64) if isinstance(files, (int, np.integer)) else files
-        for col, a in zip(cols, (per, offsets, sizes, dst + (addr - base)), strict=True):
-            col.append(np.asarray(a, dtype=np.int64))
-    files, offsets, sizes, dst = (np.concatenate(c) if c else np.zeros(0, np.int64) for c in cols)
-    fd_of = _fd_per_read(fds, files, len(sizes)) if len(sizes) else np.zeros(0, np.int32)
+    named = {r[0] for r in reads if isinstance(r[0], int)}
+    one_file = len(named) == 1 and all(isinstance(r[0], int) for r in reads)
+    cols: list[list[np.ndarray]] = [[], [], []]
+    for _, offsets, sizes, dst, addr, _ in reads:
+        for col, a in zip(cols, (offsets, sizes, dst + (addr - base)), strict=True):
+            col.append(a)
+    offsets, sizes, dst = (np.concatenate(c).astype(np.int64, copy=False) if c else np.zeros(0, np.int64)
+                           for c in cols)
+    if one_file:  # the usual case: every field in one file (one HDF5 file, or a field a source)
+        files: int | np.ndarray = named.pop()
+    else:
+        files = np.concatenate([np.full(len(r[2]), r[0], np.int64) if isinstance(r[0], int) else r[0]
+                                for r in reads]) if reads else np.zeros(0, np.int64)
+    fd_of = _fd_per_read(fds, files, len(sizes))
     ticket = _SUBMIT(fd_of.ctypes.data, offsets.ctypes.data, sizes.ctypes.data, base, dst.ctypes.data,
                      len(sizes), 1, threads, SHARE_BYTES)
     if not ticket:
         return None
     return PendingReads(ticket, paths, files, offsets, sizes, keep)
+
+
+def _check_inside(dst: np.ndarray, sizes: np.ndarray, nbytes: int, what: str) -> None:
+    """A ValueError where a read would land outside the ``nbytes`` of its memory (a planning bug)."""
+    if len(sizes) and (int(dst.min()) < 0 or int(sizes.min()) < 0 or int((dst + sizes).max()) > nbytes):
+        raise ValueError(f"{what}: reads outside the {nbytes}-byte buffer")
 
 
 def _fd_per_read(fds: FileDescriptors, files: int | np.ndarray, n: int) -> np.ndarray:

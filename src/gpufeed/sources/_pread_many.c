@@ -275,50 +275,14 @@ static int64_t cut_shares(const int32_t *fds, const int64_t *offsets, const int6
     return s + 1;
 }
 
-/* Read sizes[i] bytes at offsets[i] of fds[i] into base + dst[i], for i in 0..n-1.
- *
- * The bytes are shared among up to `threads` threads (this one and the pool's, all done before it
- * returns), none given less than min_share bytes: a batch read from the page cache is a memory
- * copy, and one thread copies a few GB/s. With ahead != 0, each share's first pass reads the cached bytes and
- * starts the kernel's reads of the rest (read_cached_and_advise); its reads then complete in order. Returns -1
- * when every read is whole; else the index of the first read that is not, with status[0] = its errno (0 when
- * the file ended first) and status[1] = the bytes of it that were read. Within a share, no read after a
- * failed one is issued, except by the first pass. */
-int64_t gpufeed_pread_many(const int32_t *fds, const int64_t *offsets, const int64_t *sizes, char *base,
-                           const int64_t *dst, int64_t n, int64_t *status, int64_t ahead, int64_t threads,
-                           int64_t min_share)
-{
-    if (threads <= 1 || n <= 0)
-        return read_all(fds, offsets, sizes, base, dst, n, status, ahead);
-    if (threads > 256)
-        threads = 256;
-    share_t shares[256];
-    int64_t *seg = malloc((size_t)(n + threads) * (5 * sizeof(int64_t) + sizeof(int32_t)));
-    if (seg == NULL)
-        return read_all(fds, offsets, sizes, base, dst, n, status, ahead);
-    int64_t count = cut_shares(fds, offsets, sizes, base, dst, n, threads, min_share, ahead, seg, shares);
-    run_shares(read_share, (char *)shares, sizeof(share_t), count);
-    int64_t bad = -1;
-    for (int64_t s = 0; s < count; s++) {
-        share_t *sh = &shares[s];
-        if (sh->bad >= 0 && (bad < 0 || sh->read[sh->bad] < bad)) {
-            bad = sh->read[sh->bad];
-            status[0] = sh->status[0];
-            status[1] = sh->before[sh->bad] + sh->status[1];
-        }
-    }
-    free(seg);
-    return bad;
-}
-
 /* Reads in flight on the pool (gpufeed_pread_submit), until gpufeed_pread_free. */
 typedef struct {
     int64_t left, count, generation, done, bad, status[2];
-    int64_t *seg;
-    share_t shares[256];
+    int64_t *seg;      /* the shares' segments, in the same allocation, after the shares */
+    share_t shares[];  /* as many as the threads asked for */
 } ticket_t;
 
-/* Start the reads gpufeed_pread_many makes, on the pool's threads, and return at once: a ticket for
+/* Start the reads gpufeed_pread_many (below) makes, on the pool's threads, and return at once: a ticket for
  * gpufeed_pread_wait, to be freed with gpufeed_pread_free once waited for. The memory at base + dst[i] must
  * stay valid until then; the arrays are copied. NULL when the reads cannot be queued (no memory): read them
  * with gpufeed_pread_many instead. Where the queue is full, or no thread could start, the reads that did
@@ -327,14 +291,12 @@ void *gpufeed_pread_submit(const int32_t *fds, const int64_t *offsets, const int
                            const int64_t *dst, int64_t n, int64_t ahead, int64_t threads, int64_t min_share)
 {
     threads = threads < 1 ? 1 : (threads > 256 ? 256 : threads);
-    ticket_t *t = calloc(1, sizeof *t);
+    size_t head = (sizeof(ticket_t) + (size_t)threads * sizeof(share_t) + 7) & ~(size_t)7;
+    ticket_t *t = malloc(head + (size_t)(n + threads) * (5 * sizeof(int64_t) + sizeof(int32_t)));
     if (t == NULL)
         return NULL;
-    t->seg = malloc((size_t)(n + threads) * (5 * sizeof(int64_t) + sizeof(int32_t)));
-    if (t->seg == NULL) {
-        free(t);
-        return NULL;
-    }
+    memset(t, 0, sizeof *t);
+    t->seg = (int64_t *)((char *)t + head);
     pthread_once(&set_up, pool_setup);
     pthread_mutex_lock(&pool_lock);
     t->generation = generation;
@@ -387,9 +349,32 @@ int64_t gpufeed_pread_wait(void *ticket, int64_t *status, int64_t timeout_us)
 /* Free a ticket whose wait returned (or one of the process this one was forked from). */
 void gpufeed_pread_free(void *ticket)
 {
-    ticket_t *t = ticket;
-    free(t->seg);
-    free(t);
+    free(ticket);
+}
+
+/* Read sizes[i] bytes at offsets[i] of fds[i] into base + dst[i], for i in 0..n-1.
+ *
+ * The bytes are shared among up to `threads` threads (the pool's, this one taking its own queued shares
+ * while it waits), none given less than min_share bytes: a batch read from the page cache is a memory copy,
+ * and one thread copies a few GB/s. With ahead != 0, each share's first pass reads the cached bytes and
+ * starts the kernel's reads of the rest (read_cached_and_advise); its reads then complete in order. Returns
+ * -1 when every read is whole; else the index of the first read that is not, with status[0] = its errno (0
+ * when the file ended first) and status[1] = the bytes of it that were read. Within a share, no read after
+ * a failed one is issued, except by the first pass. */
+int64_t gpufeed_pread_many(const int32_t *fds, const int64_t *offsets, const int64_t *sizes, char *base,
+                           const int64_t *dst, int64_t n, int64_t *status, int64_t ahead, int64_t threads,
+                           int64_t min_share)
+{
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; i++)
+        total += sizes[i];
+    int shared = threads > 1 && n > 0 && total >= 2 * min_share; /* else one share: read here */
+    void *t = shared ? gpufeed_pread_submit(fds, offsets, sizes, base, dst, n, ahead, threads, min_share) : NULL;
+    if (t == NULL)
+        return read_all(fds, offsets, sizes, base, dst, n, status, ahead);
+    int64_t bad = gpufeed_pread_wait(t, status, -1);
+    gpufeed_pread_free(t);
+    return bad;
 }
 
 /* A page of a mapping past the end of its file raises SIGBUS when touched (the file was cut after it was
