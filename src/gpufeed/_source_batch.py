@@ -36,7 +36,7 @@ from gpufeed import _read_plan
 from gpufeed._copier import Copier, Delivered
 from gpufeed._worker import Stopped
 from gpufeed.source_loader import ReadRequest
-from gpufeed.staging import PinnedUnavailable, byte_view
+from gpufeed.staging import PinnedUnavailable
 
 #: Batches whose reads start while the fetching thread finishes the one before them. With one, the reads
 #: run one batch at a time; a batch read in a fraction of a millisecond needs the next ones in flight
@@ -122,7 +122,18 @@ class EpochReads:
         self.read_threads = 1 if parallel else threads
         self.submits = parallel and callable(getattr(source, "submit", None))  # reads started threadless
         self._made: dict[int, SourceBatch] = {}
+        self._chunks: dict[tuple[int, int, int], list[_read_plan.Chunk]] = {}
         self._executor: ThreadPoolExecutor | None = None
+
+    def chunks(self, nrows: int, pool: Any) -> list[_read_plan.Chunk]:
+        """The read plan of a batch of ``nrows`` rows staged through ``pool``'s buffers; the same for every
+        batch of that size (made once per size: all but the last batch of an epoch share one)."""
+        key = (nrows, pool.chunk_bytes, pool.fill_bytes)
+        plan = self._chunks.get(key)
+        if plan is None:
+            plan = self._chunks[key] = _read_plan.plan(self.source.fields, nrows, self.read_threads,
+                                                       pool.chunk_bytes, pool.fill_bytes)
+        return plan
 
     @property
     def executor(self) -> ThreadPoolExecutor:
@@ -176,8 +187,7 @@ class SourceBatch(ReadRequest):
         """Submit the reads of every chunk a buffer is free for; True when every chunk is submitted."""
         self._copier = copier
         if self._plan is None:
-            self._plan = _read_plan.plan(self.source.fields, len(self.rows), self.chain.read_threads,
-                                         copier.pool.chunk_bytes, copier.pool.fill_bytes)
+            self._plan = self.chain.chunks(len(self.rows), copier.pool)
         pool = copier.pool
         while self._next < len(self._plan):
             r0, _, offsets, nbytes, pieces = self._plan[self._next]
@@ -243,7 +253,7 @@ class SourceBatch(ReadRequest):
                 succ = self.chain.get(i)
                 if succ is None or not succ.start(copier, stop):
                     break
-        fields = self.source.fields
+        n = len(self.rows)
         while self._entries or self._next < len(self._plan or ()):
             if not self._entries:
                 self.start(copier, stop, block=True)
@@ -255,10 +265,9 @@ class SourceBatch(ReadRequest):
                 self._finish(futs)
                 copier.pool.release(buf, None)
                 raise
-            for k, f in fields.items():
-                m = (r1 - r0) * f.sample_nbytes
-                byte_view(out[k])[r0 * f.sample_nbytes : r1 * f.sample_nbytes].copy_(
-                    buf.tensor[offsets[k] : offsets[k] + m], non_blocking=True)
+            (staged,) = self._views(buf, offsets, r0, [(r0, r1)])
+            for k, v in staged.items():
+                (out[k] if r1 - r0 == n else out[k][r0:r1]).copy_(v, non_blocking=True)
             copier.pool.release(buf, copier.stream)
             if self._next < len(self._plan or ()):
                 self.start(copier, stop)  # a chunk's buffer came back: top up this batch's reads
@@ -324,26 +333,32 @@ class SourceBatch(ReadRequest):
         return _read_plan.one_small_read(self._plan or [])
 
     def _bind(self, buf: Any, offsets: dict[str, int], r0: int, pieces: list[tuple[int, int]]) -> list[Any]:
-        """One read job per piece, each with its views into ``buf``. The views are cached on the buffer
-        per layout: consecutive batches of one size reuse them, so binding costs no torch call (each
-        drops and retakes the GIL that the readers and the training loop want)."""
+        """One read job per piece, each with its views into ``buf``."""
+        views = self._views(buf, offsets, r0, pieces)
+        return [(self.rows[a:b], v) for (a, b), v in zip(pieces, views, strict=True)]
+
+    def _views(self, buf: Any, offsets: dict[str, int], r0: int, spans: list[tuple[int, int]]) -> list[Any]:
+        """For each span of rows ``[a, b)`` of the chunk that starts at row ``r0``, a typed view of every
+        field's rows in ``buf``. The views are cached on the buffer per layout: consecutive batches of one
+        size reuse them, so binding and copying cost no torch call for them (each drops and retakes the
+        GIL that the readers and the training loop want)."""
         fields = self.source.fields
-        key = (tuple(offsets.values()), tuple((a - r0, b - a) for a, b in pieces),
+        key = (tuple(offsets.values()), tuple((a - r0, b - a) for a, b in spans),
                tuple((k, f.dtype, f.shape) for k, f in fields.items()))
         views = buf.views.get(key)
         if views is None:
             views = []
-            for a, b in pieces:
+            for a, b in spans:
                 piece = {}
                 for k, f in fields.items():
                     base = offsets[k] + (a - r0) * f.sample_nbytes
                     t = buf.tensor[base : base + (b - a) * f.sample_nbytes]
                     piece[k] = t.view(f.dtype).view(b - a, *f.shape)
                 views.append(piece)
-            if len(buf.views) >= 4:  # a few layouts (full batch, last batch, ...) at most
+            if len(buf.views) >= 8:  # a few layouts (full batch, last batch; reads and copies) at most
                 buf.views.clear()
             buf.views[key] = views
-        return [(self.rows[a:b], v) for (a, b), v in zip(pieces, views, strict=True)]
+        return views
 
     # -- shutdown ----------------------------------------------------------------------------------
 

@@ -123,8 +123,9 @@ class HostFileSource(FileSource):
         for name, layout in self._layouts.items():
             if self._maps is not None and runs.scattered(layout.row_nbytes):
                 return None
-            if runs.n:
-                reads.append((*layout.read_arrays(runs), bufs[name].data_ptr(), runs.n * layout.row_nbytes))
+            if runs.n:  # one run (a sequential batch) is a few reads: lists, packed without numpy
+                cols = layout.byte_reads(runs) if runs.rows is None else layout.read_arrays(runs)
+                reads.append((*cols, bufs[name].data_ptr(), runs.n * layout.row_nbytes))
         return submit(self._fds, self._paths, reads, self._threads, keep=bufs)
 
     @property

@@ -122,8 +122,9 @@ def pread_many(
         raise _read_error(paths[f], int(offsets[bad]), int(sizes[bad]), int(status[0]), int(status[1]))
 
 
-#: One field's reads for :func:`submit`: ``(files, offsets, sizes, dst, addr, nbytes)`` as for ``pread_many``.
-FieldReads = tuple[int | np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int]
+#: One field's reads for :func:`submit`: ``(files, offsets, sizes, dst, addr, nbytes)`` as for ``pread_many``
+#: (or its columns as lists, as ``Layout.byte_reads`` gives them).
+FieldReads = tuple[Any, Any, Any, Any, int, int]
 
 
 class PendingReads:
@@ -137,14 +138,14 @@ class PendingReads:
     frees it twice.
     """
 
-    def __init__(self, ticket: int, paths: Sequence[str], files: int | np.ndarray, offsets: np.ndarray,
-                 sizes: np.ndarray, keep: object) -> None:
+    def __init__(self, ticket: int, paths: Sequence[str], files: int | Sequence[int], offsets: Sequence[int],
+                 sizes: Sequence[int], keep: object) -> None:
         self._ticket: int | None = ticket
         self._where = (paths, files, offsets, sizes)
         self._keep = keep
         # Made now, its address too: __del__ may run at interpreter exit, when numpy can import nothing.
-        self._status = np.zeros(2, dtype=np.int64)
-        self._status_at = self._status.ctypes.data
+        self._status = (ctypes.c_int64 * 2)()
+        self._status_at = ctypes.addressof(self._status)
         self._error: OSError | None = None
 
     def result(self, timeout: float | None = None) -> None:
@@ -181,7 +182,9 @@ def submit(fds: FileDescriptors, paths: Sequence[str], reads: Sequence[FieldRead
            keep: object = None) -> PendingReads | None:
     """Start the reads of several ``pread_many`` calls (one per field, each into its own memory) on the
     native reader's threads, up to ``threads`` of them, and return at once; None without the native reader.
-    ``keep``: what holds the memory the reads land in, kept until they are done.
+    ``keep``: what holds the memory the reads land in, kept until they are done. A field's columns are
+    numpy arrays, or lists (``Layout.byte_reads``: the few reads of one run, packed here without numpy,
+    whose per-call cost is most of a sequential batch's).
 
     Raises:
         ValueError: a read would land outside its memory (a planning bug).
@@ -190,32 +193,53 @@ def submit(fds: FileDescriptors, paths: Sequence[str], reads: Sequence[FieldRead
         return None
     for _, _, sizes, dst, _, nbytes in reads:
         _check_inside(dst, sizes, nbytes, "submit")
-    reads = [(int(r[0]), *r[1:]) if isinstance(r[0], (int, np.integer)) else r for r in reads]
     base = min((r[4] for r in reads), default=0)
+    if all(isinstance(r[1], list) for r in reads):
+        return _submit_lists(fds, paths, reads, threads, keep, base)
+    reads = [(int(r[0]), *r[1:]) if isinstance(r[0], (int, np.integer)) else r for r in reads]
+    # One array of every read's offset, then size, then destination (from ``base``): one address to pass.
+    parts = [r[1] for r in reads] + [r[2] for r in reads] + [r[3] + (r[4] - base) for r in reads]
+    cols = np.concatenate(parts).astype(np.int64, copy=False) if reads else np.zeros(0, np.int64)
+    n = len(cols) // 3
     named = {r[0] for r in reads if isinstance(r[0], int)}
-    one_file = len(named) == 1 and all(isinstance(r[0], int) for r in reads)
-    cols: list[list[np.ndarray]] = [[], [], []]
-    for _, offsets, sizes, dst, addr, _ in reads:
-        for col, a in zip(cols, (offsets, sizes, dst + (addr - base)), strict=True):
-            col.append(a)
-    offsets, sizes, dst = (np.concatenate(c).astype(np.int64, copy=False) if c else np.zeros(0, np.int64)
-                           for c in cols)
-    if one_file:  # the usual case: every field in one file (one HDF5 file, or a field a source)
+    if len(named) == 1 and all(isinstance(r[0], int) for r in reads):  # the usual case: one file
         files: int | np.ndarray = named.pop()
     else:
         files = np.concatenate([np.full(len(r[2]), r[0], np.int64) if isinstance(r[0], int) else r[0]
                                 for r in reads]) if reads else np.zeros(0, np.int64)
-    fd_of = _fd_per_read(fds, files, len(sizes))
-    ticket = _SUBMIT(fd_of.ctypes.data, offsets.ctypes.data, sizes.ctypes.data, base, dst.ctypes.data,
-                     len(sizes), 1, threads, SHARE_BYTES)
+    fd_of = _fd_per_read(fds, files, n)
+    at = cols.ctypes.data
+    ticket = _SUBMIT(fd_of.ctypes.data, at, at + 8 * n, base, at + 16 * n, n, 1, threads, SHARE_BYTES)
+    if not ticket:
+        return None
+    return PendingReads(ticket, paths, files, cols[:n], cols[n : 2 * n], keep)
+
+
+def _submit_lists(fds: FileDescriptors, paths: Sequence[str], reads: Sequence[FieldReads], threads: int,
+                  keep: object, base: int) -> PendingReads | None:
+    """:func:`submit` of reads given as lists, packed into ctypes arrays (which the library copies)."""
+    files = [int(f) for r in reads for f in (r[0] if isinstance(r[0], list) else [r[0]] * len(r[2]))]
+    offsets = [o for r in reads for o in r[1]]
+    sizes = [k for r in reads for k in r[2]]
+    n = len(sizes)
+    cols = (ctypes.c_int64 * (3 * n))(*offsets, *sizes, *(d + r[4] - base for r in reads for d in r[3]))
+    fd_of = (ctypes.c_int32 * n)(*(fds.get(f) for f in files))
+    at = ctypes.addressof(cols)
+    ticket = _SUBMIT(ctypes.addressof(fd_of), at, at + 8 * n, base, at + 16 * n, n, 1, threads, SHARE_BYTES)
     if not ticket:
         return None
     return PendingReads(ticket, paths, files, offsets, sizes, keep)
 
 
-def _check_inside(dst: np.ndarray, sizes: np.ndarray, nbytes: int, what: str) -> None:
+def _check_inside(dst: Sequence[int], sizes: Sequence[int], nbytes: int, what: str) -> None:
     """A ValueError where a read would land outside the ``nbytes`` of its memory (a planning bug)."""
-    if len(sizes) and (int(dst.min()) < 0 or int(sizes.min()) < 0 or int((dst + sizes).max()) > nbytes):
+    if len(sizes) == 1:  # one run: no reduction (numpy's cost a call, not a read)
+        d, k = int(dst[0]), int(sizes[0])
+        bad = d < 0 or k < 0 or d + k > nbytes
+    else:
+        d, k = np.asarray(dst), np.asarray(sizes)
+        bad = len(k) > 0 and (int(d.min()) < 0 or int(k.min()) < 0 or int((d + k).max()) > nbytes)
+    if bad:
         raise ValueError(f"{what}: reads outside the {nbytes}-byte buffer")
 
 
