@@ -103,5 +103,6 @@ def test_tuning_page_states_the_code_defaults():
     assert rows["static"] == str(sig.parameters["static"].default)
     assert sig.parameters["trace"].default is None  # None: off unless GPUFEED_TRACE=1
     assert rows["trace"] == "False` (or `GPUFEED_TRACE=1`)"
-    assert rows["num_threads` (of `RawSource`, `H5Source`)"] == "min(8, os.cpu_count())"
+    assert rows["num_threads` (of `RawSource`, `H5Source`)"] == (
+        "min(8, os.cpu_count())`; in a DataLoader worker `min(8, cpus // num_workers)")
     assert rows["num_threads` (of `SourceLoader`)"] == "min(8, os.cpu_count())"

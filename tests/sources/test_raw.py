@@ -237,3 +237,26 @@ def test_num_threads_is_checked_and_kept(tmp_path):
     for bad in (0, "4", 2.0, True):
         with pytest.raises(ValueError, match="RawSource: num_threads must be an int >= 1"):
             RawSource(tmp_path / "x.npy", num_threads=bad)
+
+
+class _ThreadsSeen(torch.utils.data.Dataset):
+    """Item i: the ``num_threads`` of each source, as a read in this (worker) process sees it."""
+
+    def __init__(self, sources):
+        self.sources = sources
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return torch.tensor([s.num_threads for s in self.sources])
+
+
+def test_in_dataloader_workers_the_default_threads_share_the_cpus(tmp_path, monkeypatch):
+    np.save(tmp_path / "x.npy", np.arange(10, dtype=np.int64))
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)  # inherited by the forked workers
+    sources = [RawSource(tmp_path / "x.npy"), RawSource(tmp_path / "x.npy", num_threads=3)]
+    assert [s.num_threads for s in sources] == [8, 3]  # this process: up to 8 of the CPUs
+    loader = torch.utils.data.DataLoader(_ThreadsSeen(sources), batch_size=None, num_workers=4,
+                                         multiprocessing_context="fork")
+    assert [t.tolist() for t in loader] == [[4, 3], [4, 3]]  # 16 CPUs among 4 workers; a given count kept

@@ -8,6 +8,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
+from torch.utils.data import get_worker_info
 
 from ._files import FileDescriptors, pread_exact, source_label
 from ._gather import FileMaps, NotGathered, file_maps, gather_rows
@@ -72,7 +73,7 @@ class HostFileSource(FileSource):
     """What RawSource and H5Source share beyond :class:`FileSource`: opening their files, and positional
     reads into host memory."""
 
-    _threads = 1  # (a source pickled before the setting existed reads on one thread)
+    _threads: int | None = 1  # (a source pickled before the setting existed reads on one thread)
 
     def _open_files(self, kind: str, paths: list[str], mmap_gather: bool | None,
                     num_threads: int | None = None) -> None:
@@ -80,7 +81,7 @@ class HostFileSource(FileSource):
         a read spreads over."""
         if num_threads is not None and (type(num_threads) is not int or num_threads < 1):
             raise ValueError(f"{kind}: num_threads must be an int >= 1, got {num_threads!r}")
-        self._threads = num_threads or min(8, os.cpu_count() or 1)
+        self._threads = num_threads  # None: chosen per read (:attr:`num_threads`)
         self._paths = paths
         self._where = source_label(kind, paths)
         self._fds = FileDescriptors(paths)
@@ -105,7 +106,7 @@ class HostFileSource(FileSource):
 
     def _read_field(self, layout: Layout, runs: Runs, t: torch.Tensor) -> None:
         # A source whose reads gpufeed cuts into pieces for its reader threads reads each on one thread.
-        threads = self._threads if self.parallel_reads else 1
+        threads = self.num_threads if self.parallel_reads else 1
         read_by_offset(layout, runs, t, self._fds, self._maps, self._paths, threads)
 
     def submit(self, rows: Rows, out: Mapping[str, torch.Tensor]) -> PendingReads | None:
@@ -126,12 +127,21 @@ class HostFileSource(FileSource):
             if runs.n:  # one run (a sequential batch) is a few reads: lists, packed without numpy
                 cols = layout.byte_reads(runs) if runs.rows is None else layout.read_arrays(runs)
                 reads.append((*cols, bufs[name].data_ptr(), runs.n * layout.row_nbytes))
-        return submit(self._fds, self._paths, reads, self._threads, keep=bufs)
+        return submit(self._fds, self._paths, reads, self.num_threads, keep=bufs)
 
     @property
     def num_threads(self) -> int:
-        """The threads one read spreads over (``num_threads`` of the constructor)."""
-        return self._threads
+        """The threads one read spreads over: ``num_threads`` of the constructor, or by default up to 8 of
+        the CPUs, which a DataLoader worker shares with the other workers (``cpus // num_workers``, as torch
+        gives each worker one intra-op thread): eight workers reading with eight threads each would put 64
+        threads on a 16-CPU machine."""
+        if self._threads is not None:
+            return self._threads
+        cpus = os.cpu_count() or 1
+        worker = get_worker_info()
+        if worker is not None:
+            cpus = max(1, cpus // worker.num_workers)
+        return min(8, cpus)
 
     @property
     def parallel_reads(self) -> bool:

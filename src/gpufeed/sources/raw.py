@@ -54,8 +54,9 @@ class RawSource(HostFileSource):
             gather (a cold file's pages then fault in one at a time; without the native library a cut
             file kills the process with SIGBUS). ``False``: never map a file. Runs of consecutive rows
             are always read with ``os.preadv``.
-        num_threads: threads one read spreads over (default: up to 8), each given at least 1 MiB; a
-            prefetcher hands such a source a whole staging chunk per read (see ``parallel_reads``).
+        num_threads: threads one read spreads over (default: up to 8, and in a DataLoader worker its
+            share of the CPUs), each given at least 1 MiB; a prefetcher hands such a source a whole
+            staging chunk per read (see ``parallel_reads``).
 
     Example:
         >>> np.save("x.npy", np.zeros((100, 3, 32, 32), np.uint8))      # doctest: +SKIP
