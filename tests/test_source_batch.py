@@ -318,3 +318,34 @@ def test_a_successor_that_cannot_start_fails_at_its_own_batch_and_no_read_keeps_
     finally:
         chain.cancel()
     assert got == [0, 10]
+
+
+@pytest.mark.parametrize("batch", [7, 64, 250])
+def test_staged_multi_field_multi_file_source_through_epoch_reads(tmp_path, batch):
+    """Several chunks per batch, a short last batch, runs across files, two fields in separate files."""
+    rng = np.random.default_rng(0)
+    xs = [rng.integers(0, 1 << 30, size=(n, 33), dtype=np.int32) for n in (301, 77, 410)]
+    y = rng.standard_normal(788).astype(np.float32)
+    for i, a in enumerate(xs):
+        np.save(tmp_path / f"x{i}.npy", a)
+    np.save(tmp_path / "y.npy", y)
+    x = np.concatenate(xs)
+    src = RawSource(fields={"x": [tmp_path / f"x{i}.npy" for i in range(3)], "y": tmp_path / "y.npy"},
+                    num_threads=3)
+    pool = PinnedPool(budget=64 << 10, chunk_bytes=8 << 10, pin=False)
+    copier = SimpleNamespace(pool=pool, trace=None, stream=None)
+    plan = plan_batches(len(src), batch, shuffle=False)
+    for epoch in range(2):
+        chain = EpochReads(src, plan, threads=3)
+        try:
+            for i in range(len(plan)):
+                b = chain.get(i)
+                out = {k: torch.empty((len(b.rows), *f.shape), dtype=f.dtype) for k, f in src.fields.items()}
+                b._read_staged(copier, out, STOP)
+                r = np.arange(b.rows.start, b.rows.stop)
+                assert np.array_equal(out["x"].numpy(), x[r]), (epoch, i)
+                assert np.array_equal(out["y"].numpy(), y[r]), (epoch, i)
+        finally:
+            chain.cancel()
+    assert len(pool._free) == pool.allocations
+    src.close()

@@ -125,9 +125,9 @@ class EpochReads:
         self._chunks: dict[tuple[int, int, int], list[_read_plan.Chunk]] = {}
         self._executor: ThreadPoolExecutor | None = None
 
-    def chunks(self, nrows: int, pool: Any) -> list[_read_plan.Chunk]:
-        """The read plan of a batch of ``nrows`` rows staged through ``pool``'s buffers; the same for every
-        batch of that size (made once per size: all but the last batch of an epoch share one)."""
+    def read_plan(self, nrows: int, pool: Any) -> list[_read_plan.Chunk]:
+        """How a batch of ``nrows`` rows is read through ``pool``'s buffers (:func:`_read_plan.plan`), made
+        once per batch size: every batch of that size shares the list, which no one changes."""
         key = (nrows, pool.chunk_bytes, pool.fill_bytes)
         plan = self._chunks.get(key)
         if plan is None:
@@ -187,7 +187,7 @@ class SourceBatch(ReadRequest):
         """Submit the reads of every chunk a buffer is free for; True when every chunk is submitted."""
         self._copier = copier
         if self._plan is None:
-            self._plan = self.chain.chunks(len(self.rows), copier.pool)
+            self._plan = self.chain.read_plan(len(self.rows), copier.pool)
         pool = copier.pool
         while self._next < len(self._plan):
             r0, _, offsets, nbytes, pieces = self._plan[self._next]
@@ -265,8 +265,7 @@ class SourceBatch(ReadRequest):
                 self._finish(futs)
                 copier.pool.release(buf, None)
                 raise
-            (staged,) = self._views(buf, offsets, r0, [(r0, r1)])
-            for k, v in staged.items():
+            for k, v in self._views(buf, offsets, r0, [(r0, r1)])[0].items():  # (a whole batch: no slice)
                 (out[k] if r1 - r0 == n else out[k][r0:r1]).copy_(v, non_blocking=True)
             copier.pool.release(buf, copier.stream)
             if self._next < len(self._plan or ()):

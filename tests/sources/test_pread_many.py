@@ -287,3 +287,134 @@ def test_reads_spread_over_threads_only_where_the_source_is_read_a_chunk_at_a_ti
             assert src.parallel_reads is parallel
             out = _read(src, range(100, 3000), src.fields)
         assert np.array_equal(out["x"].numpy(), x[100:3000]) and threads == [want]
+
+
+# -- submit: reads started on the native threads, packed from lists (one run) or numpy arrays ----------
+
+native_only = pytest.mark.skipif(_pread.backend() != "native", reason="the native reader was not built here")
+
+
+def _submit(src, rows):
+    out = {k: torch.full((len(rows), *f.shape), -1, dtype=f.dtype) for k, f in src.fields.items()}
+    pending = src.submit(rows, out)
+    assert pending is not None
+    pending.result(timeout=10)
+    return out
+
+
+@native_only
+def test_a_run_across_two_files_of_one_field(tmp_path):
+    a = np.arange(100 * 3, dtype=np.int32).reshape(100, 3)
+    b = np.arange(1000, 1000 + 50 * 3, dtype=np.int32).reshape(50, 3)
+    np.save(tmp_path / "a.npy", a), np.save(tmp_path / "b.npy", b)
+    x = np.concatenate([a, b])
+    with RawSource([tmp_path / "a.npy", tmp_path / "b.npy"]) as src:
+        for r in [range(90, 120), range(100, 150), range(0, 100), range(99, 101)]:
+            assert np.array_equal(_submit(src, r)["x"].numpy(), x[r.start:r.stop]), r
+
+
+@native_only
+def test_two_fields_in_two_files_land_in_their_own_memory(tmp_path):
+    x = np.arange(200 * 5, dtype=np.int16).reshape(200, 5)
+    y = np.arange(200, dtype=np.float64) * 0.5
+    np.save(tmp_path / "x.npy", x), np.save(tmp_path / "y.npy", y)
+    with RawSource(fields={"x": tmp_path / "x.npy", "y": tmp_path / "y.npy"}) as src:
+        out = _submit(src, range(17, 170))
+        assert np.array_equal(out["x"].numpy(), x[17:170])
+        assert np.array_equal(out["y"].numpy(), y[17:170])
+
+
+@native_only
+def test_a_cut_second_file_is_named_with_the_offset_of_its_own_read(tmp_path):
+    a = np.zeros((100, 16), np.uint8)
+    b = np.ones((100, 16), np.uint8)
+    np.save(tmp_path / "a.npy", a), np.save(tmp_path / "b.npy", b)
+    with RawSource([tmp_path / "a.npy", tmp_path / "b.npy"]) as src:
+        header = os.path.getsize(tmp_path / "b.npy") - b.nbytes
+        os.truncate(tmp_path / "b.npy", header + 10 * 16)
+        out = {"x": torch.empty((40, 16), dtype=torch.uint8)}
+        pending = src.submit(range(80, 120), out)  # 20 rows of a, then 20 of b: the second read is short
+        want = f"short read from {tmp_path / 'b.npy'}: expected 320 bytes at offset {header}, got 160"
+        with pytest.raises(OSError, match=re.escape(want)):
+            pending.result(timeout=10)
+
+
+@native_only
+def test_an_empty_batch_is_submitted_and_waited(tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros((10, 4), np.uint8))
+    with RawSource(tmp_path / "x.npy") as src:
+        pending = src.submit(range(5, 5), {"x": torch.empty((0, 4), dtype=torch.uint8)})
+        assert pending is not None
+        pending.result(timeout=5)
+
+
+@native_only
+@pytest.mark.parametrize("dst,size", [([0], [17]), ([-1], [4]), ([0, 8], [8, 9]), ([0, -8], [8, 8]),
+                                      ([0], [-1])])
+def test_submit_refuses_list_reads_outside_the_buffer(tmp_path, dst, size):
+    (tmp_path / "f").write_bytes(bytes(64))
+    fds = FileDescriptors([str(tmp_path / "f")])
+    buf = torch.empty(64, dtype=torch.uint8)  # 16 bytes allowed: an unchecked read stays in real memory
+    reads = [([0] * len(dst), [0] * len(dst), size, dst, buf.data_ptr(), 16)]
+    with pytest.raises(ValueError, match="outside the 16-byte buffer"):
+        _pread.submit(fds, ["f"], reads, 2, keep=buf)
+    fds.close()
+
+
+@native_only
+def test_submit_takes_a_file_given_as_an_int_with_list_columns(tmp_path):
+    (tmp_path / "f").write_bytes(bytes(range(64)))
+    (tmp_path / "g").write_bytes(bytes(range(64, 128)))
+    fds = FileDescriptors([str(tmp_path / "f"), str(tmp_path / "g")])
+    a, b = torch.zeros(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
+    reads = [(1, [4], [8], [0], b.data_ptr(), 8), ([0, 1], [2, 10], [4, 4], [0, 4], a.data_ptr(), 8)]
+    _pread.submit(fds, ["f", "g"], reads, 2, keep=(a, b)).result(timeout=5)
+    assert bytes(b.numpy()) == bytes(range(68, 76))
+    assert bytes(a.numpy()) == bytes([2, 3, 4, 5, 74, 75, 76, 77])
+    fds.close()
+
+
+@native_only
+def test_submit_of_mixed_list_and_array_fields(tmp_path):
+    (tmp_path / "f").write_bytes(bytes(range(64)))
+    fds = FileDescriptors([str(tmp_path / "f")])
+    a, b = torch.zeros(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
+    reads = [(0, [4], [8], [0], a.data_ptr(), 8),
+             (0, np.array([8]), np.array([8]), np.array([0]), b.data_ptr(), 8)]
+    _pread.submit(fds, ["f"], reads, 2, keep=(a, b)).result(timeout=5)
+    assert bytes(a.numpy()) == bytes(range(4, 12)) and bytes(b.numpy()) == bytes(range(8, 16))
+    fds.close()
+
+
+@native_only
+def test_scattered_rows_over_two_files_and_two_fields_by_submit(tmp_path):
+    """The numpy path of submit (rows as an array, no memory map): per-read files, per-field memory."""
+    a = np.arange(100 * 4, dtype=np.int32).reshape(100, 4)
+    b = np.arange(5000, 5000 + 60 * 4, dtype=np.int32).reshape(60, 4)
+    y = np.arange(160, dtype=np.int64) * 3
+    np.save(tmp_path / "a.npy", a), np.save(tmp_path / "b.npy", b), np.save(tmp_path / "y.npy", y)
+    x = np.concatenate([a, b])
+    rows = np.array([150, 3, 99, 100, 101, 7, 159])
+    with RawSource(fields={"x": [tmp_path / "a.npy", tmp_path / "b.npy"], "y": tmp_path / "y.npy"},
+                   mmap_gather=False) as src:
+        out = _submit(src, rows)
+        assert np.array_equal(out["x"].numpy(), x[rows]) and np.array_equal(out["y"].numpy(), y[rows])
+        header = os.path.getsize(tmp_path / "b.npy") - b.nbytes
+        os.truncate(tmp_path / "b.npy", header + 10 * 16)
+        out = {"x": torch.empty((3, 4), dtype=torch.int32), "y": torch.empty(3, dtype=torch.int64)}
+        pending = src.submit(np.array([3, 5, 120]), out)  # the third read (row 20 of b) is past its end
+        want = f"short read from {tmp_path / 'b.npy'}: expected 16 bytes at offset {header + 20 * 16}, got 0"
+        with pytest.raises(OSError, match=re.escape(want)):
+            pending.result(timeout=10)
+
+
+@native_only
+@pytest.mark.parametrize("dst,size", [([0], [17]), ([-1], [4]), ([0, 8], [8, 9])])
+def test_submit_refuses_array_reads_outside_the_buffer(tmp_path, dst, size):
+    (tmp_path / "f").write_bytes(bytes(64))
+    fds = FileDescriptors([str(tmp_path / "f")])
+    buf = torch.empty(64, dtype=torch.uint8)
+    reads = [(0, np.zeros(len(dst), np.int64), np.array(size), np.array(dst), buf.data_ptr(), 16)]
+    with pytest.raises(ValueError, match="outside the 16-byte buffer"):
+        _pread.submit(fds, ["f"], reads, 2, keep=buf)
+    fds.close()

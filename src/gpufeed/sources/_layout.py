@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -62,8 +63,11 @@ class Layout:
         self._offsets = np.array([e.offset for e in self.extents], dtype=np.int64)
         self._files = np.array([e.file for e in self.extents], dtype=np.int64)
         self._one_file = self.extents[0].file if len(set(self._files.tolist())) == 1 else None
-        #: Every row can be read by byte offset (no h5py extent).
-        self.by_offset = all(e.offset >= 0 for e in self.extents)
+
+    @functools.cached_property
+    def by_offset(self) -> bool:
+        """True when every row can be read by byte offset (no h5py extent); asked on every read."""
+        return all(e.offset >= 0 for e in self.extents)
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -114,7 +118,7 @@ class Layout:
         """``byte_reads`` as int64 arrays, for ``pread_many``; the file is one int when every read is in
         the same file (one extent, or several of one file)."""
         if runs.rows is None:
-            files, fo, nb, oo = np.array(self.byte_reads(runs), dtype=np.int64).reshape(4, -1)
+            files, fo, nb, oo = np.array(self.byte_reads(runs), dtype=np.int64)
             return self._one_file if self._one_file is not None else files, fo, nb, oo
         rn = self.row_nbytes
         starts, stops = runs.starts, runs.stops

@@ -124,7 +124,8 @@ def pread_many(
 
 #: One field's reads for :func:`submit`: ``(files, offsets, sizes, dst, addr, nbytes)`` as for ``pread_many``
 #: (or its columns as lists, as ``Layout.byte_reads`` gives them).
-FieldReads = tuple[Any, Any, Any, Any, int, int]
+FieldReads = tuple[int | list[int] | np.ndarray, list[int] | np.ndarray, list[int] | np.ndarray,
+                   list[int] | np.ndarray, int, int]
 
 
 class PendingReads:
@@ -143,7 +144,7 @@ class PendingReads:
         self._ticket: int | None = ticket
         self._where = (paths, files, offsets, sizes)
         self._keep = keep
-        # Made now, its address too: __del__ may run at interpreter exit, when numpy can import nothing.
+        # Made now, its address too: __del__ may run at interpreter exit, when nothing can be imported.
         self._status = (ctypes.c_int64 * 2)()
         self._status_at = ctypes.addressof(self._status)
         self._error: OSError | None = None
@@ -196,7 +197,8 @@ def submit(fds: FileDescriptors, paths: Sequence[str], reads: Sequence[FieldRead
     base = min((r[4] for r in reads), default=0)
     if all(isinstance(r[1], list) for r in reads):
         return _submit_lists(fds, paths, reads, threads, keep, base)
-    reads = [(int(r[0]), *r[1:]) if isinstance(r[0], (int, np.integer)) else r for r in reads]
+    reads = [(int(r[0]) if isinstance(r[0], (int, np.integer)) else np.asarray(r[0], np.int64),
+              *(np.asarray(c, np.int64) for c in r[1:4]), r[4], r[5]) for r in reads]
     # One array of every read's offset, then size, then destination (from ``base``): one address to pass.
     parts = [r[1] for r in reads] + [r[2] for r in reads] + [r[3] + (r[4] - base) for r in reads]
     cols = np.concatenate(parts).astype(np.int64, copy=False) if reads else np.zeros(0, np.int64)
@@ -217,13 +219,15 @@ def submit(fds: FileDescriptors, paths: Sequence[str], reads: Sequence[FieldRead
 
 def _submit_lists(fds: FileDescriptors, paths: Sequence[str], reads: Sequence[FieldReads], threads: int,
                   keep: object, base: int) -> PendingReads | None:
-    """:func:`submit` of reads given as lists, packed into ctypes arrays (which the library copies)."""
+    """:func:`submit` of reads given as lists, packed into ctypes arrays. ``gpufeed_pread_submit`` copies
+    them into its ticket before it returns, so they need not outlive this call."""
     files = [int(f) for r in reads for f in (r[0] if isinstance(r[0], list) else [r[0]] * len(r[2]))]
     offsets = [o for r in reads for o in r[1]]
     sizes = [k for r in reads for k in r[2]]
     n = len(sizes)
     cols = (ctypes.c_int64 * (3 * n))(*offsets, *sizes, *(d + r[4] - base for r in reads for d in r[3]))
-    fd_of = (ctypes.c_int32 * n)(*(fds.get(f) for f in files))
+    fd = {f: fds.get(f) for f in set(files)}  # (one run of a chunked dataset is a read per chunk)
+    fd_of = (ctypes.c_int32 * n)(*(fd[f] for f in files))
     at = ctypes.addressof(cols)
     ticket = _SUBMIT(ctypes.addressof(fd_of), at, at + 8 * n, base, at + 16 * n, n, 1, threads, SHARE_BYTES)
     if not ticket:
@@ -233,7 +237,7 @@ def _submit_lists(fds: FileDescriptors, paths: Sequence[str], reads: Sequence[Fi
 
 def _check_inside(dst: Sequence[int], sizes: Sequence[int], nbytes: int, what: str) -> None:
     """A ValueError where a read would land outside the ``nbytes`` of its memory (a planning bug)."""
-    if len(sizes) == 1:  # one run: no reduction (numpy's cost a call, not a read)
+    if len(sizes) == 1:  # a single read: plain ints, without numpy's cost per call
         d, k = int(dst[0]), int(sizes[0])
         bad = d < 0 or k < 0 or d + k > nbytes
     else:
