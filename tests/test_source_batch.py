@@ -22,6 +22,20 @@ def fake_copier(budget, chunk_bytes):
     return SimpleNamespace(pool=pool, trace=None, stream=None)
 
 
+def staged_batches(src, plan, copier, threads=3):
+    """Read every batch of ``plan`` with ``_read_staged``, in order; yield each batch and its ``out``. The
+    epoch is cancelled at the end (its buffers returned)."""
+    chain = EpochReads(src, plan, threads=threads)
+    try:
+        for i in range(len(plan)):
+            b = chain.get(i)
+            out = {k: torch.empty((len(b.rows), *f.shape), dtype=f.dtype) for k, f in src.fields.items()}
+            b._read_staged(copier, out, STOP)
+            yield b, out
+    finally:
+        chain.cancel()
+
+
 @pytest.mark.parametrize("min_read", [0, 1 << 20])  # many reads per chunk, or one
 @pytest.mark.parametrize("budget", [4096, 8192, 1 << 20])  # from one buffer at a time to everything at once
 @pytest.mark.parametrize("src_cls", [ArraySource, OddSource])
@@ -32,21 +46,12 @@ def test_staged_reads_deliver_every_byte_and_return_every_buffer(budget, src_cls
     src = src_cls()
     plan = plan_batches(len(src), 17, shuffle=True, seed=1)
     copier = fake_copier(budget, 4096)
-    chain = EpochReads(src, plan, threads=3)
-    try:
-        for i in range(len(plan)):
-            b = chain.get(i)
-            out = {k: torch.empty((len(b.rows), *f.shape), dtype=f.dtype) for k, f in src.fields.items()}
-            b._read_staged(copier, out, STOP)
-            idx = (np.asarray(b.rows) if not isinstance(b.rows, range)
-                   else np.arange(b.rows.start, b.rows.stop))
-            for k, a in src.arrays.items():
-                assert np.array_equal(out[k].numpy(), a[idx]), (i, k)
-        chain.cancel()
-        assert len(copier.pool._free) == copier.pool.allocations  # nothing left taken
-        assert copier.pool.allocated <= max(budget, 4096 * 2)
-    finally:
-        chain.cancel()
+    for i, (b, out) in enumerate(staged_batches(src, plan, copier)):
+        idx = np.asarray(b.rows) if not isinstance(b.rows, range) else np.arange(b.rows.start, b.rows.stop)
+        for k, a in src.arrays.items():
+            assert np.array_equal(out[k].numpy(), a[idx]), (i, k)
+    assert len(copier.pool._free) == copier.pool.allocations  # nothing left taken
+    assert copier.pool.allocated <= max(budget, 4096 * 2)
 
 
 @pytest.mark.skipif(_pread.backend() != "native", reason="the native reader is not built here")
@@ -332,20 +337,12 @@ def test_staged_multi_field_multi_file_source_through_epoch_reads(tmp_path, batc
     x = np.concatenate(xs)
     src = RawSource(fields={"x": [tmp_path / f"x{i}.npy" for i in range(3)], "y": tmp_path / "y.npy"},
                     num_threads=3)
-    pool = PinnedPool(budget=64 << 10, chunk_bytes=8 << 10, pin=False)
-    copier = SimpleNamespace(pool=pool, trace=None, stream=None)
+    copier = fake_copier(64 << 10, 8 << 10)
     plan = plan_batches(len(src), batch, shuffle=False)
     for epoch in range(2):
-        chain = EpochReads(src, plan, threads=3)
-        try:
-            for i in range(len(plan)):
-                b = chain.get(i)
-                out = {k: torch.empty((len(b.rows), *f.shape), dtype=f.dtype) for k, f in src.fields.items()}
-                b._read_staged(copier, out, STOP)
-                r = np.arange(b.rows.start, b.rows.stop)
-                assert np.array_equal(out["x"].numpy(), x[r]), (epoch, i)
-                assert np.array_equal(out["y"].numpy(), y[r]), (epoch, i)
-        finally:
-            chain.cancel()
-    assert len(pool._free) == pool.allocations
+        for i, (b, out) in enumerate(staged_batches(src, plan, copier)):
+            r = np.arange(b.rows.start, b.rows.stop)
+            assert np.array_equal(out["x"].numpy(), x[r]), (epoch, i)
+            assert np.array_equal(out["y"].numpy(), y[r]), (epoch, i)
+    assert len(copier.pool._free) == copier.pool.allocations
     src.close()
