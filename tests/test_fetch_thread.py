@@ -148,8 +148,9 @@ def test_ctrl_c_in_an_inline_read_is_raised_at_once_not_after_the_batches_made_a
         def __iter__(self):
             try:
                 for i in range(10):
-                    if i == 4:
-                        time.sleep(0.5)  # the read Ctrl-C lands in
+                    if i == 4:  # Ctrl-C lands in this read (inline: on the loop's thread), whatever the load
+                        _thread.interrupt_main()
+                        time.sleep(0.5)
                     yield {"x": torch.tensor([i])}
             finally:
                 Slow.closed = True
@@ -157,13 +158,8 @@ def test_ctrl_c_in_an_inline_read_is_raised_at_once_not_after_the_batches_made_a
     it = iter(CudaPrefetcher(Slow(), device="cpu", depth=2))
     it._keep_ahead = 2  # the CUDA look-ahead: batches made ahead of the one returned
     assert [next(it)["x"].item() for _ in range(2)] == [0, 1]
-    timer = threading.Timer(0.1, _thread.interrupt_main)
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            next(it)  # makes batch 4 ahead, before returning batch 2
-    finally:
-        timer.join()
+    with pytest.raises(KeyboardInterrupt):
+        next(it)  # makes batch 4 ahead, before returning batch 2
     assert Slow.closed
     with pytest.raises(StopIteration):
         next(it)
