@@ -10,10 +10,10 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import get_worker_info
 
-from ._files import FileDescriptors, pread_exact, source_label
+from ._files import FileDescriptors, source_label
 from ._gather import FileMaps, NotGathered, file_maps, gather_rows
 from ._layout import Layout
-from ._out_tensors import check_outs, host_bytes, rows_bytes
+from ._out_tensors import check_outs, rows_bytes
 from ._pread import PendingReads, backend, pread_many, submit
 from ._runs import Runs, check_rows
 from .base import Field, Rows
@@ -124,9 +124,8 @@ class HostFileSource(FileSource):
         for name, layout in self._layouts.items():
             if self._maps is not None and runs.scattered(layout.row_nbytes):
                 return None
-            if runs.n:  # one run (a sequential batch) is a few reads: lists, packed without numpy
-                cols = layout.byte_reads(runs) if runs.rows is None else layout.read_arrays(runs)
-                reads.append((*cols, bufs[name].data_ptr(), runs.n * layout.row_nbytes))
+            if runs.n:
+                reads.append((*layout.reads(runs), bufs[name].data_ptr(), runs.n * layout.row_nbytes))
         return submit(self._fds, self._paths, reads, self.num_threads, keep=bufs)
 
     @property
@@ -164,15 +163,8 @@ def read_by_offset(
     :func:`try_gather` takes them; else one positional read per run, straight into ``t``'s memory, all of
     them in one ``pread_many`` call that shares them among up to ``threads`` threads (the Python loop of
     ``os.preadv``, on this thread, where the native reader is not built)."""
-    rn = layout.row_nbytes
-    if try_gather(layout, runs, t, maps, threads):
-        return
-    if runs.rows is not None or backend() == "native":
-        pread_many(fds, paths, *layout.read_arrays(runs), t.data_ptr(), runs.n * rn, threads=threads)
-        return
-    mv = host_bytes(t, runs.n * rn)
-    for f, fo, nb, oo in zip(*layout.byte_reads(runs), strict=True):
-        pread_exact(fds.get(f), mv[oo : oo + nb], fo, paths[f])
+    if not try_gather(layout, runs, t, maps, threads):
+        pread_many(fds, paths, *layout.reads(runs), t.data_ptr(), runs.n * layout.row_nbytes, threads=threads)
 
 
 def try_gather(layout: Layout, runs: Runs, t: torch.Tensor, maps: FileMaps | None, threads: int = 1) -> bool:

@@ -114,12 +114,14 @@ class Layout:
         per_file = [files] * len(nb) if isinstance(files, int) else files.tolist()
         return per_file, fo.tolist(), nb.tolist(), oo.tolist()
 
+    def reads(self, runs: Runs) -> ReadLists | ReadArrays:
+        """The reads of ``runs`` as ``pread_many`` takes them: the few of one run as lists (packed without
+        numpy, whose cost per call would be most of a sequential batch's), those of rows as arrays."""
+        return self.byte_reads(runs) if runs.rows is None else self.read_arrays(runs)
+
     def read_arrays(self, runs: Runs) -> ReadArrays:
-        """``byte_reads`` as int64 arrays, for ``pread_many``; the file is one int when every read is in
+        """``byte_reads`` of runs given as rows, as int64 arrays; the file is one int when every read is in
         the same file (one extent, or several of one file)."""
-        if runs.rows is None:
-            files, fo, nb, oo = np.array(self.byte_reads(runs), dtype=np.int64)
-            return self._one_file if self._one_file is not None else files, fo, nb, oo
         rn = self.row_nbytes
         starts, stops = runs.starts, runs.stops
         if len(self.extents) == 1:

@@ -20,7 +20,7 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -82,11 +82,12 @@ def backend() -> str:
 
 
 def pread_many(
-    fds: FileDescriptors, paths: Sequence[str], files: int | np.ndarray, offsets: np.ndarray,
-    sizes: np.ndarray, dst: np.ndarray, addr: int, nbytes: int, ahead: bool = True, threads: int = 1,
+    fds: FileDescriptors, paths: Sequence[str], files: Any, offsets: Any, sizes: Any, dst: Any, addr: int,
+    nbytes: int, ahead: bool = True, threads: int = 1,
 ) -> None:
     """Read ``sizes[i]`` bytes at ``offsets[i]`` of file ``files[i]`` (or of file ``files``) into byte
-    ``dst[i]`` of the ``nbytes`` of host memory at ``addr``, for every ``i``, in order.
+    ``dst[i]`` of the ``nbytes`` of host memory at ``addr``, for every ``i``, in order (the columns are
+    lists or numpy arrays: :data:`FieldReads`).
 
     With ``ahead`` (the native reader on Linux), the reads of a page or more that the page cache holds are
     copied first without blocking and the kernel is asked to read all the others at once
@@ -102,28 +103,22 @@ def pread_many(
         OSError: a read failed, or the file ended early; the message names the file.
         ValueError: a read would land outside the ``nbytes`` at ``addr`` (a planning bug).
     """
-    n = len(sizes)
-    if n == 0:
+    if len(sizes) == 0:
         return
-    if isinstance(files, np.integer):
-        files = int(files)
-    _check_inside(dst, sizes, nbytes, "pread_many")
-    native = _NATIVE
-    if native is None:
-        _python_loop(fds, paths, files, offsets, sizes, dst, addr, nbytes)
+    read = (files, offsets, sizes, dst, addr, nbytes)
+    if _NATIVE is None:
+        _check_inside(dst, sizes, nbytes, "pread_many")
+        _python_loop(fds, paths, *read)
         return
-    fd_of = _fd_per_read(fds, files, n)
-    args = [np.ascontiguousarray(a, dtype=np.int64) for a in (offsets, sizes, dst)]
-    status = np.zeros(2, dtype=np.int64)
-    bad = native(fd_of.ctypes.data, args[0].ctypes.data, args[1].ctypes.data, addr, args[2].ctypes.data,
-                 n, status.ctypes.data, int(ahead), threads, SHARE_BYTES)
+    packed = _pack(fds, [read], "pread_many")
+    status = (ctypes.c_int64 * 2)()
+    bad = _NATIVE(*packed.args(), ctypes.addressof(status), int(ahead), threads, SHARE_BYTES)
     if bad >= 0:
-        f = files if isinstance(files, int) else int(files[bad])
-        raise _read_error(paths[f], int(offsets[bad]), int(sizes[bad]), int(status[0]), int(status[1]))
+        raise packed.error(paths, bad, status)
 
 
-#: One field's reads for :func:`submit`: ``(files, offsets, sizes, dst, addr, nbytes)`` as for ``pread_many``
-#: (or its columns as lists, as ``Layout.byte_reads`` gives them).
+#: One field's reads: ``(files, offsets, sizes, dst, addr, nbytes)`` as :func:`pread_many` takes them, each
+#: column a list (``Layout.reads`` of one run) or a numpy array.
 FieldReads = tuple[int | list[int] | np.ndarray, list[int] | np.ndarray, list[int] | np.ndarray,
                    list[int] | np.ndarray, int, int]
 
@@ -139,10 +134,9 @@ class PendingReads:
     frees it twice.
     """
 
-    def __init__(self, ticket: int, paths: Sequence[str], files: int | Sequence[int], offsets: Sequence[int],
-                 sizes: Sequence[int], keep: object) -> None:
+    def __init__(self, ticket: int, paths: Sequence[str], packed: _Packed, keep: object) -> None:
         self._ticket: int | None = ticket
-        self._where = (paths, files, offsets, sizes)
+        self._where = (paths, packed)
         self._keep = keep
         # Made now, its address too: __del__ may run at interpreter exit, when nothing can be imported.
         self._status = (ctypes.c_int64 * 2)()
@@ -156,10 +150,8 @@ class PendingReads:
             if bad == -3:
                 raise FutureTimeout
             if bad >= 0:
-                paths, files, offsets, sizes = self._where
-                f = files if isinstance(files, int) else int(files[bad])
-                self._error = _read_error(paths[f], int(offsets[bad]), int(sizes[bad]), int(self._status[0]),
-                                          int(self._status[1]))
+                paths, packed = self._where
+                self._error = packed.error(paths, bad, self._status)
             elif bad == -4:
                 self._error = OSError("these reads were started by the process this one was forked from")
             ticket, self._ticket, self._keep = self._ticket, None, None
@@ -183,56 +175,77 @@ def submit(fds: FileDescriptors, paths: Sequence[str], reads: Sequence[FieldRead
            keep: object = None) -> PendingReads | None:
     """Start the reads of several ``pread_many`` calls (one per field, each into its own memory) on the
     native reader's threads, up to ``threads`` of them, and return at once; None without the native reader.
-    ``keep``: what holds the memory the reads land in, kept until they are done. A field's columns are
-    numpy arrays, or lists (``Layout.byte_reads``: the few reads of one run, packed here without numpy,
-    whose per-call cost is most of a sequential batch's).
+    ``keep``: what holds the memory the reads land in, kept until they are done.
 
     Raises:
         ValueError: a read would land outside its memory (a planning bug).
     """
     if _SUBMIT is None or _NATIVE is None:
         return None
+    packed = _pack(fds, reads, "submit")
+    ticket = _SUBMIT(*packed.args(), 1, threads, SHARE_BYTES)
+    if not ticket:
+        return None
+    return PendingReads(ticket, paths, packed, keep)
+
+
+class _Packed(NamedTuple):
+    """Reads as the library takes them: the address of each read's descriptor (int32) and of its offset,
+    size and destination columns (int64, one after the other; destinations from ``base``), the objects
+    that hold that memory, and each read's file, offset and size, for the error of a read that failed."""
+
+    fd_at: int
+    at: int
+    n: int
+    base: int
+    keep: tuple[Any, Any]
+    files: int | Sequence[int]
+    offsets: Sequence[int]
+    sizes: Sequence[int]
+
+    def args(self) -> tuple[int, int, int, int, int, int]:
+        """The arguments both library calls begin with: ``fds, offsets, sizes, base, dst, n``."""
+        return self.fd_at, self.at, self.at + 8 * self.n, self.base, self.at + 16 * self.n, self.n
+
+    def error(self, paths: Sequence[str], bad: int, status: Any) -> OSError:
+        """The OSError of read ``bad``, from the library's ``status`` (errno, bytes read)."""
+        f = self.files if isinstance(self.files, int) else int(self.files[bad])
+        err, got = int(status[0]), int(status[1])
+        return _read_error(paths[f], int(self.offsets[bad]), int(self.sizes[bad]), err, got)
+
+
+def _pack(fds: FileDescriptors, reads: Sequence[FieldReads], what: str) -> _Packed:
+    """Check that every read lands inside its field's memory, then pack the reads of every field into one
+    set of columns. The few reads of one run (a sequential batch: a read a field) go from lists into ctypes
+    arrays: numpy's cost per call would be most of such a batch's. The library copies the columns before
+    the call returns."""
     for _, _, sizes, dst, _, nbytes in reads:
-        _check_inside(dst, sizes, nbytes, "submit")
+        _check_inside(dst, sizes, nbytes, what)
     base = min((r[4] for r in reads), default=0)
     if all(isinstance(r[1], list) for r in reads):
-        return _submit_lists(fds, paths, reads, threads, keep, base)
+        files = [int(f) for r in reads for f in (r[0] if isinstance(r[0], list) else [r[0]] * len(r[2]))]
+        offsets = [o for r in reads for o in r[1]]
+        sizes = [k for r in reads for k in r[2]]
+        n = len(sizes)
+        cols = (ctypes.c_int64 * (3 * n))(*offsets, *sizes, *(d + r[4] - base for r in reads for d in r[3]))
+        fd = {f: fds.get(f) for f in set(files)}  # (one run of a chunked dataset is a read per chunk)
+        fd_of = (ctypes.c_int32 * n)(*(fd[f] for f in files))
+        keep: tuple[Any, Any] = (fd_of, cols)
+        return _Packed(ctypes.addressof(fd_of), ctypes.addressof(cols), n, base, keep, files, offsets, sizes)
     reads = [(int(r[0]) if isinstance(r[0], (int, np.integer)) else np.asarray(r[0], np.int64),
               *(np.asarray(c, np.int64) for c in r[1:4]), r[4], r[5]) for r in reads]
-    # One array of every read's offset, then size, then destination (from ``base``): one address to pass.
     parts = [r[1] for r in reads] + [r[2] for r in reads] + [r[3] + (r[4] - base) for r in reads]
-    cols = np.concatenate(parts).astype(np.int64, copy=False) if reads else np.zeros(0, np.int64)
-    n = len(cols) // 3
+    cols_a = np.concatenate(parts).astype(np.int64, copy=False)
+    n = len(cols_a) // 3
     named = {r[0] for r in reads if isinstance(r[0], int)}
     if len(named) == 1 and all(isinstance(r[0], int) for r in reads):  # the usual case: one file
-        files: int | np.ndarray = named.pop()
+        file_of: int | np.ndarray = named.pop()
     else:
-        files = np.concatenate([np.full(len(r[2]), r[0], np.int64) if isinstance(r[0], int) else r[0]
-                                for r in reads]) if reads else np.zeros(0, np.int64)
-    fd_of = _fd_per_read(fds, files, n)
-    at = cols.ctypes.data
-    ticket = _SUBMIT(fd_of.ctypes.data, at, at + 8 * n, base, at + 16 * n, n, 1, threads, SHARE_BYTES)
-    if not ticket:
-        return None
-    return PendingReads(ticket, paths, files, cols[:n], cols[n : 2 * n], keep)
-
-
-def _submit_lists(fds: FileDescriptors, paths: Sequence[str], reads: Sequence[FieldReads], threads: int,
-                  keep: object, base: int) -> PendingReads | None:
-    """:func:`submit` of reads given as lists, packed into ctypes arrays. ``gpufeed_pread_submit`` copies
-    them into its ticket before it returns, so they need not outlive this call."""
-    files = [int(f) for r in reads for f in (r[0] if isinstance(r[0], list) else [r[0]] * len(r[2]))]
-    offsets = [o for r in reads for o in r[1]]
-    sizes = [k for r in reads for k in r[2]]
-    n = len(sizes)
-    cols = (ctypes.c_int64 * (3 * n))(*offsets, *sizes, *(d + r[4] - base for r in reads for d in r[3]))
-    fd = {f: fds.get(f) for f in set(files)}  # (one run of a chunked dataset is a read per chunk)
-    fd_of = (ctypes.c_int32 * n)(*(fd[f] for f in files))
-    at = ctypes.addressof(cols)
-    ticket = _SUBMIT(ctypes.addressof(fd_of), at, at + 8 * n, base, at + 16 * n, n, 1, threads, SHARE_BYTES)
-    if not ticket:
-        return None
-    return PendingReads(ticket, paths, files, offsets, sizes, keep)
+        file_of = np.concatenate([np.full(len(r[2]), r[0], np.int64) if isinstance(r[0], int) else r[0]
+                                  for r in reads])
+    fd_arr = _fd_per_read(fds, file_of, n)
+    return _Packed(fd_arr.ctypes.data, cols_a.ctypes.data, n, base, (fd_arr, cols_a), file_of, cols_a[:n],
+                   cols_a[n : 2 * n])
 
 
 def _check_inside(dst: Sequence[int], sizes: Sequence[int], nbytes: int, what: str) -> None:
@@ -264,10 +277,14 @@ def _read_error(path: str, offset: int, want: int, err: int, got: int) -> OSErro
 
 
 def _python_loop(
-    fds: FileDescriptors, paths: Sequence[str], files: int | np.ndarray, offsets: np.ndarray,
-    sizes: np.ndarray, dst: np.ndarray, addr: int, nbytes: int,
+    fds: FileDescriptors, paths: Sequence[str], files: Any, offsets: Any, sizes: Any, dst: Any, addr: int,
+    nbytes: int,
 ) -> None:
     mv = memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
-    per_file = [files] * len(sizes) if isinstance(files, int) else files.tolist()
-    for f, fo, nb, oo in zip(per_file, offsets.tolist(), sizes.tolist(), dst.tolist(), strict=True):
+    per_file = [int(files)] * len(sizes) if isinstance(files, (int, np.integer)) else _ints(files)
+    for f, fo, nb, oo in zip(per_file, _ints(offsets), _ints(sizes), _ints(dst), strict=True):
         pread_exact(fds.get(f), mv[oo : oo + nb], fo, paths[f])
+
+
+def _ints(column: Any) -> list[int]:
+    return column.tolist() if isinstance(column, np.ndarray) else list(column)
