@@ -1,5 +1,6 @@
 """CUDA specifics, run on the GPU machine (`pytest -m cuda`): streams, events, memory, exact bytes."""
 
+import contextlib
 import gc
 
 import pytest
@@ -106,7 +107,7 @@ def test_an_epoch_ends_without_waiting_for_its_copies_and_keeps_what_they_read()
     got = [b["x"] for b in pf]
     queued = list(pf._in_flight._queue)
     assert queued and not queued[-1][1].query()  # the epoch ended with its copies still queued
-    assert {id(t) for _, _, read, _ in queued for t in read} == {id(b["x"]) for b in data}
+    assert {id(t) for _, _, read, _, _ in queued for t in read} == {id(b["x"]) for b in data}
     assert [float(t[-1]) for t in got] == [float(i) for i in range(6)]  # exact once they land
     pf.close()
     assert not pf._in_flight._queue
@@ -208,3 +209,47 @@ def test_a_loader_may_refill_its_pageable_tensors_once_asked_for_the_next_batch(
     assert got == [(i, i, -i, -i) for i in range(30)]
 
 
+
+
+class Images(torch.utils.data.Dataset):
+    """Item ``i``: 256 KiB whose every element says ``i``, and ``i``."""
+
+    def __len__(self):
+        return 96
+
+    def __getitem__(self, i):
+        return torch.full((1 << 16,), float(i)), i
+
+
+def test_dataloader_workers_collate_into_pinned_slots_that_a_copy_reads_before_they_are_reused():
+    """Each copy waits behind a sleep kernel that the transform of the batch before queued on the copy stream:
+    a slot released before its copy completed would be overwritten by its worker's next batch first."""
+    loader = torch.utils.data.DataLoader(Images(), batch_size=4, num_workers=2)
+
+    def slow(batch):
+        torch.cuda._sleep(5_000_000)  # on the copy stream, after this batch's copy and before the next one's
+        return batch
+
+    pf = CudaPrefetcher(loader, depth=2, transform=slow)
+    for _ in range(2):
+        for (x, i), start in zip(pf, range(0, 96, 4), strict=True):
+            assert x.is_cuda and i.tolist() == list(range(start, start + 4))
+            assert torch.equal(x[:, -1].cpu(), i.float().cpu())
+            assert (x == i[:, None].float()).all()
+        slots = list(pf._slots._slots.values())
+        assert slots and all(s.is_pinned() for s in slots)  # registered with CUDA: the copy engine reads them
+    assert pf.stats.slot_batches == 48 and pf.stats.staged_bytes == 0
+    pf.close()
+    assert not pf._slots._registered and not pf._slots._slots
+
+
+def test_worker_slots_off_or_pinning_off_leaves_the_dataloader_hand_over_as_it_is():
+    for kw in ({"worker_slots": False}, {"pinned_budget": 0}):
+        loader = torch.utils.data.DataLoader(Images(), batch_size=8, num_workers=2)
+        warns = pytest.warns(RuntimeWarning) if "pinned_budget" in kw else contextlib.nullcontext()
+        with warns, CudaPrefetcher(loader, **kw) as pf:
+            assert [int(i[0]) for _, i in pf] == list(range(0, 96, 8))
+        assert pf.stats.slot_batches == 0 and pf._slots is None
+    with pytest.raises(ValueError, match="pinned_budget=0"):
+        loader = torch.utils.data.DataLoader(Images(), num_workers=1)
+        CudaPrefetcher(loader, worker_slots=True, pinned_budget=0)

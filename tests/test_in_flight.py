@@ -66,3 +66,22 @@ def test_close_waits_for_every_copy_and_for_one_added_after_it():
     after = FakeEvent()
     flight.add(None, after, [torch.ones(1)], 0)
     assert after.waited and not flight._queue
+
+
+def test_a_worker_slot_is_released_only_once_the_copy_that_read_it_completed():
+    flight = InFlight(PrefetchStats())
+    released = []
+    ends = [FakeEvent() for _ in range(3)]
+    for i, e in enumerate(ends):
+        flight.add(None, e, [], 0, lambda i=i: released.append(i))
+    ends[1].done = True
+    flight.collect()
+    assert released == []  # in order: the first copy still runs
+    ends[0].done = True
+    flight.collect()
+    assert released == [0, 1]
+    flight.close()  # waits for the last
+    assert released == [0, 1, 2] and ends[2].waited
+    late = FakeEvent()
+    flight.add(None, late, [], 0, lambda: released.append(3))  # after close(): waited for, then released
+    assert late.waited and released == [0, 1, 2, 3]

@@ -15,6 +15,7 @@ from gpufeed import _nvtx
 from gpufeed._host_buffers import HostBuffers
 from gpufeed._tracing import TraceRecorder
 from gpufeed._tree import flatten
+from gpufeed._worker_slots import SlotBatch, WorkerSlots
 from gpufeed.pinned_pool import PinnedPool
 from gpufeed.source_loader import ReadRequest
 from gpufeed.staging import PinnedUnavailable, Stager, warn_pageable
@@ -54,30 +55,36 @@ class Delivered:
         return self.batch
 
 
+#: A copy in flight: start event, end event, host tensors read, bytes timed, release of its worker slot.
+_Copy = tuple[torch.cuda.Event | None, torch.cuda.Event, list[torch.Tensor], int, Callable[[], None] | None]
+
+
 class InFlight:
     """The copies of one prefetcher not yet seen complete, over all its epochs.
 
     Holds, for each timed batch or batch read from pinned host tensors, its start event (None when not
-    timed), its end event, the pinned host tensors its copies read and the bytes it copied. Invariant: those
-    host tensors stay referenced until the end event has completed. An epoch's end does not wait for its
+    timed), its end event, the pinned host tensors its copies read, the bytes it copied, and what releases
+    the worker slot it was read from. Invariant: those host tensors stay referenced, and the slot leased,
+    until the end event has completed. An epoch's end does not wait for its
     last copies (the loop would spin until every copy it queued ahead had landed): the next epoch's
     batches, or the prefetcher's ``close()``, let go of them once complete.
     """
 
     def __init__(self, stats: PrefetchStats) -> None:
         self.stats = stats
-        self._queue: collections.deque[
-            tuple[torch.cuda.Event | None, torch.cuda.Event, list[torch.Tensor], int]] = collections.deque()
+        self._queue: collections.deque[_Copy] = collections.deque()
         self._lock = threading.Lock()  # a stopped epoch's thread may still collect beside the next epoch
         self._closed = False
 
     def add(self, start: torch.cuda.Event | None, end: torch.cuda.Event, read: list[torch.Tensor],
-            nbytes: int) -> None:
+            nbytes: int, release: Callable[[], None] | None = None) -> None:
         with self._lock:
             if not self._closed:
-                self._queue.append((start, end, read, nbytes))
+                self._queue.append((start, end, read, nbytes, release))
                 return
         end.synchronize()  # closed (a copy issued while close() ran on another thread): nothing collects it
+        if release is not None:
+            release()
 
     def close(self) -> None:
         """Wait for every copy, and for those added from now on as they are added."""
@@ -90,9 +97,11 @@ class InFlight:
         ``wait``), and let go of the host tensors they read."""
         with self._lock:
             while self._queue and (wait or self._queue[0][1].query()):
-                start, end, _, nbytes = self._queue.popleft()
+                start, end, _, nbytes, release = self._queue.popleft()
                 if wait:
                     end.synchronize()
+                if release is not None:
+                    release()
                 if start is not None:
                     self.stats.add(copy_s=start.elapsed_time(end) / 1e3, timed_bytes=nbytes)
 
@@ -109,13 +118,15 @@ class Copier:
     leaves) are kept alive until their copy completed.
 
     A :class:`~gpufeed.ReadRequest` (a batch of a :class:`~gpufeed.SourceLoader`) reads itself through
-    the members its protocol names (:meth:`begin`, :meth:`seal`, ``pool`` ...).
+    the members its protocol names (:meth:`begin`, :meth:`seal`, ``pool`` ...). A batch that DataLoader
+    workers collated into a slot (:mod:`gpufeed._worker_slots`) is copied from its slot, which is released
+    once that copy completed (on the CPU: copied out, then released).
     """
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream | None, pool: PinnedPool,
                  stats: PrefetchStats, transform: Callable[[Any], Any] | None,
                  trace: TraceRecorder | None = None, host: HostBuffers | None = None,
-                 in_flight: InFlight | None = None) -> None:
+                 in_flight: InFlight | None = None, slots: WorkerSlots | None = None) -> None:
         self.device = device
         self.stream = stream
         self.pool = pool
@@ -125,6 +136,7 @@ class Copier:
         self.trace = trace
         self.stager = Stager(pool.chunk_bytes)  # used only when there is a copy stream
         self.in_flight = in_flight if in_flight is not None else InFlight(stats)  # a prefetcher: its own
+        self.slots = slots
         self._count = 0
 
     def deliver(self, raw: Any, index: int, stop: threading.Event,
@@ -136,6 +148,8 @@ class Copier:
         request = isinstance(raw, ReadRequest)
         if request:  # a SourceLoader's batch: the source reads into our buffers
             out = raw.read(self, stop)
+        elif isinstance(raw, SlotBatch):
+            out = self._from_slot(raw)
         elif self.stream is None:
             out = self._to_cpu(raw)
         else:
@@ -150,13 +164,28 @@ class Copier:
                 t.record_stream(consumer)
         return out
 
-    def _to_cpu(self, raw: Any) -> Delivered:
+    def _from_slot(self, sb: SlotBatch) -> Delivered:
+        assert self.slots is not None  # a SlotBatch comes only from workers handed this prefetcher's slots
+        batch, release = self.slots.open(sb)
+        try:
+            if self.stream is None:
+                out = self._to_cpu(batch, copy=True)
+                release()
+            else:
+                out = self._to_cuda(batch, release)
+        except BaseException:
+            release()
+            raise
+        self.stats.add(slot_batches=1)
+        return out
+
+    def _to_cpu(self, raw: Any, copy: bool = False) -> Delivered:
         leaves, rebuild = flatten(raw)
-        moved = [t if t.device.type == "cpu" else t.cpu() for t in leaves]
+        moved = [t.clone() if copy else t if t.device.type == "cpu" else t.cpu() for t in leaves]
         self.stats.add(bytes=sum(t.nbytes for t in moved))
         return self.seal(rebuild(moved), [], None)
 
-    def _to_cuda(self, raw: Any) -> Delivered:
+    def _to_cuda(self, raw: Any, release: Callable[[], None] | None = None) -> Delivered:
         """Issue the batch's copies on the copy stream (current on this thread for its whole life)."""
         leaves, rebuild = flatten(raw)
         out: list[Any] = list(leaves)
@@ -186,7 +215,7 @@ class Copier:
                     out[i] = t
                     staged += t.nbytes
                 fresh += allocations
-            delivered = self.seal(rebuild(out), fresh, start, read)
+            delivered = self.seal(rebuild(out), fresh, start, read, release)
         self.stats.add(bytes=nbytes, staged_bytes=staged, stage_s=stage_s)
         return delivered
 
@@ -213,11 +242,12 @@ class Copier:
         return start
 
     def seal(self, batch: Any, fresh: list[torch.Tensor], start: torch.cuda.Event | None,
-             read: list[torch.Tensor] | None = None) -> Delivered:
+             read: list[torch.Tensor] | None = None, release: Callable[[], None] | None = None) -> Delivered:
         """Apply the transform (on the copy stream, when called inside it) and record the batch's event.
 
         With a transform, the device tensors to fence are those of its output, whatever its structure.
-        ``start`` is :meth:`begin`'s event (None for a batch that is not timed).
+        ``start`` is :meth:`begin`'s event (None for a batch that is not timed); ``release`` frees the
+        worker slot the copies read, once they completed.
         """
         timed = 0 if start is None else sum(t.nbytes for t in fresh)
         if self.transform is not None:
@@ -228,8 +258,8 @@ class Copier:
             return Delivered(batch, None, fresh)
         end = torch.cuda.Event(enable_timing=start is not None)
         end.record(self.stream)
-        if start is not None or read:
-            self.in_flight.add(start, end, read or [], timed)
+        if start is not None or read or release is not None:
+            self.in_flight.add(start, end, read or [], timed, release)
         return Delivered(batch, end, fresh)
 
     def pinned_ok(self) -> bool:

@@ -18,8 +18,10 @@ import torch
 Rebuild = Callable[[Sequence[Any]], Any]
 
 
-def flatten(batch: Any) -> tuple[list[torch.Tensor], Rebuild]:
+def flatten(batch: Any, leaf: type = torch.Tensor) -> tuple[list[Any], Rebuild]:
     """Return the batch's tensors (numpy arrays converted, zero-copy) and a function that rebuilds it.
+
+    With ``leaf``, the objects of that type are the leaves instead (and numpy arrays pass through).
 
     Example:
         >>> leaves, rebuild = flatten({"x": torch.ones(2), "n": 3})
@@ -29,47 +31,47 @@ def flatten(batch: Any) -> tuple[list[torch.Tensor], Rebuild]:
     kind = type(batch)
     if kind is dict or kind is list or kind is tuple:  # the common batch, flat: built without a tree
         values = list(batch.values()) if kind is dict else list(batch)
-        if all(isinstance(v, torch.Tensor) for v in values):
+        if all(isinstance(v, leaf) for v in values):
             if kind is dict:
                 keys = list(batch)
                 return values, lambda new: dict(zip(keys, new, strict=True))
             return values, kind
-    leaves: list[torch.Tensor] = []
-    build = _compile(batch, leaves)
+    leaves: list[Any] = []
+    build = _compile(batch, leaves, leaf)
     return leaves, build
 
 
-def _compile(obj: Any, leaves: list[torch.Tensor]) -> Rebuild:
-    if isinstance(obj, torch.Tensor):
+def _compile(obj: Any, leaves: list[Any], leaf: type) -> Rebuild:
+    if isinstance(obj, leaf):
         return _leaf(obj, leaves)
-    if isinstance(obj, np.ndarray) and obj.dtype != object:
+    if leaf is torch.Tensor and isinstance(obj, np.ndarray) and obj.dtype != object:
         return _leaf(torch.from_numpy(np.ascontiguousarray(obj)), leaves)
     if isinstance(obj, Mapping):
-        return _compile_mapping(obj, leaves)
+        return _compile_mapping(obj, leaves, leaf)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        parts = [_compile(v, leaves) for v in obj]
+        parts = [_compile(v, leaves, leaf) for v in obj]
         cls = type(obj)
         return lambda new: cls(*(p(new) for p in parts))
     if isinstance(obj, (list, tuple)):
-        parts = [_compile(v, leaves) for v in obj]
+        parts = [_compile(v, leaves, leaf) for v in obj]
         cls = type(obj)
         if cls in (list, tuple):
             return lambda new: cls(p(new) for p in parts)
         return lambda new: _rebuild_sequence(obj, [p(new) for p in parts])
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return _compile_dataclass(obj, leaves)
+        return _compile_dataclass(obj, leaves, leaf)
     return lambda new: obj
 
 
-def _leaf(tensor: torch.Tensor, leaves: list[torch.Tensor]) -> Rebuild:
+def _leaf(tensor: Any, leaves: list[Any]) -> Rebuild:
     i = len(leaves)
     leaves.append(tensor)
     return lambda new: new[i]
 
 
-def _compile_mapping(obj: Mapping, leaves: list[torch.Tensor]) -> Rebuild:
+def _compile_mapping(obj: Mapping, leaves: list[Any], leaf: type) -> Rebuild:
     keys = list(obj.keys())
-    parts = [_compile(obj[k], leaves) for k in keys]
+    parts = [_compile(obj[k], leaves, leaf) for k in keys]
     cls = type(obj)
     if cls is dict:
         return lambda new: {k: p(new) for k, p in zip(keys, parts, strict=True)}
@@ -91,9 +93,9 @@ def _rebuild_sequence(original: Sequence, items: list[Any]) -> Any:
         return list(items)
 
 
-def _compile_dataclass(obj: Any, leaves: list[torch.Tensor]) -> Rebuild:
+def _compile_dataclass(obj: Any, leaves: list[Any], leaf: type) -> Rebuild:
     names = [f.name for f in dataclasses.fields(obj) if f.init]
-    parts = [_compile(getattr(obj, n), leaves) for n in names]
+    parts = [_compile(getattr(obj, n), leaves, leaf) for n in names]
 
     def rebuild(new: Sequence[Any]) -> Any:
         return dataclasses.replace(obj, **{n: p(new) for n, p in zip(names, parts, strict=True)})

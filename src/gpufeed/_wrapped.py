@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from gpufeed._copier import WithState
+from gpufeed._worker_slots import WorkerSlots
 
 
 def _forward_set_epoch(loader: Any, epoch: int) -> None:
@@ -29,7 +30,7 @@ class WrappedLoader:
     the last batch handed to the consumer is what :meth:`state_dict` returns.
     """
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, slots: WorkerSlots | None = None) -> None:
         from gpufeed.source_loader import SourceLoader
         from gpufeed.sources.base import BatchSource
 
@@ -44,7 +45,9 @@ class WrappedLoader:
                 f"returning one; got {type(loader).__name__}"
             )
         self.source = loader
+        self.slots = slots  # where a DataLoader's workers collate into, when they do
         self._factory = loader if is_factory else None
+        self.is_factory = is_factory
         # An iterator (a generator) is used up by one epoch; its second epoch would be silently empty.
         self._one_shot = isinstance(loader, Iterator)
         self._iterated = False
@@ -115,11 +118,11 @@ class WrappedLoader:
         if self.source_loader is not None:
             return _source_batches(self.source_loader, epoch, start, spare_core)
         if self._factory is not None:
-            return _Lazy(self._factory)
+            return _Lazy(self._factory, self.slots)
         _collect_before_fork(self.source)
         if self.stateful:
-            return _with_state(self.source)
-        return self.source
+            return _with_state(self.source, self.slots)
+        return _slotted(self.source, self.slots)
 
 
 def _collect_before_fork(loader: Any) -> None:
@@ -148,14 +151,46 @@ def _forks_workers(loader: Any) -> bool:
     return method == "fork"
 
 
+def has_workers(loader: Any) -> bool:
+    """Whether ``loader`` is a DataLoader whose batches are collated in worker processes."""
+    import torch.utils.data
+
+    return isinstance(loader, torch.utils.data.DataLoader) and loader.num_workers > 0
+
+
+def _slotted(loader: Any, slots: WorkerSlots | None) -> Iterable[Any]:
+    """``loader``, whose workers collate into ``slots`` when it is a DataLoader with workers."""
+    if slots is None or not has_workers(loader):
+        return loader
+    return _slotted_batches(loader, slots)
+
+
+def _slotted_batches(loader: Any, slots: WorkerSlots) -> Iterator[Any]:
+    # The loader's collate_fn is ours only while its iterator starts (its workers take it then): the user's
+    # loader is left as it was.
+    collate = slots.collate(loader)
+    original = loader.collate_fn
+    if collate is not None:
+        loader.collate_fn = collate
+    try:
+        it = iter(loader)
+    finally:
+        loader.collate_fn = original
+    try:
+        yield from it
+    finally:
+        slots.stop()
+
+
 class _Lazy:
-    def __init__(self, factory: Any) -> None:
+    def __init__(self, factory: Any, slots: WorkerSlots | None) -> None:
         self.factory = factory
+        self.slots = slots
 
     def __iter__(self) -> Iterator[Any]:
         loader = self.factory()
         _collect_before_fork(loader)
-        return iter(loader)
+        return iter(_slotted(loader, self.slots))
 
 
 def _source_batches(loader: Any, epoch: int, start: int, spare_core: bool) -> Iterator[WithState]:
@@ -167,8 +202,8 @@ def _source_batches(loader: Any, epoch: int, start: int, spare_core: bool) -> It
         it.close()
 
 
-def _with_state(loader: Any) -> Iterator[WithState]:
-    it = iter(loader)
+def _with_state(loader: Any, slots: WorkerSlots | None) -> Iterator[WithState]:
+    it = iter(_slotted(loader, slots))
     try:
         for batch in it:
             yield WithState(batch, loader.state_dict())

@@ -22,7 +22,8 @@ from gpufeed._host_buffers import HostBuffers
 from gpufeed._static import StaticBuffers
 from gpufeed._streams import StreamSwitch
 from gpufeed._tracing import TraceRecorder
-from gpufeed._wrapped import WrappedLoader
+from gpufeed._worker_slots import WorkerSlots
+from gpufeed._wrapped import WrappedLoader, has_workers
 from gpufeed.pinned_pool import PinnedPool
 from gpufeed.staging import DEFAULT_CHUNK_BYTES, DEFAULT_PINNED_BUDGET
 from gpufeed.stats import PrefetchStats
@@ -82,6 +83,12 @@ class CudaPrefetcher:
         static: deliver every batch into the same device tensors, for a captured CUDA graph; each item
             is then a :class:`~gpufeed.StaticBatch` ``(batch, valid)``, a short last batch zero-padded.
         trace: record every batch's stages for :meth:`export_trace` (default: env ``GPUFEED_TRACE=1``).
+        worker_slots: a DataLoader's workers copy each collated batch into a slot of shared memory that
+            the prefetcher pinned once, so the main process copies none of its bytes (the loader's own
+            ``pin_memory`` then has nothing left to do). ``None`` (default): on for a DataLoader with
+            workers, or a callable returning one, on CUDA; ``True`` also on the CPU, where the batch is
+            copied out of its slot (what the CPU tests run); ``False``: batches cross as the DataLoader
+            hands them over.
 
     Stream and memory invariants:
 
@@ -108,6 +115,7 @@ class CudaPrefetcher:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         static: bool = False,
         trace: bool | None = None,
+        worker_slots: bool | None = None,
         **unexpected: Any,
     ) -> None:
         if unexpected:
@@ -135,6 +143,8 @@ class CudaPrefetcher:
                 f"{type(source).__name__} only pinned_budget=0 applies (no pinned staging): its batches "
                 "are pinned in torch's caching host allocator, which has no budget of its own")
         self._cuda = self.device.type == "cuda"
+        self._slots = _worker_slots(worker_slots, source, self._loader, self._cuda, pinned_budget)
+        self._loader.slots = self._slots
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         budget = DEFAULT_PINNED_BUDGET if pinned_budget is None else int(pinned_budget)
         self._pool = PinnedPool(budget, chunk_bytes, pin=self._cuda)
@@ -240,6 +250,8 @@ class CudaPrefetcher:
                 self._in_flight.close()
             except Exception:  # a broken CUDA context: nothing left to wait for
                 pass
+        if self._slots is not None:
+            self._slots.close()
         self._pool.clear()
         self._host.clear()
 
@@ -261,7 +273,7 @@ class CudaPrefetcher:
         # A copier and its reader threads belong to one epoch (they end with its fetch thread), so break,
         # an error or Ctrl-C leaves no gpufeed thread behind; pinned buffers live on in the pool.
         return Copier(self.device, self._stream, self._pool, self.stats, self.transform, self._trace,
-                      host=self._host, in_flight=self._in_flight)
+                      host=self._host, in_flight=self._in_flight, slots=self._slots)
 
 
 class _EpochIterator:
@@ -552,6 +564,24 @@ def _stop_epoch(stop: threading.Event, deliveries: Iterator[Delivered], fetcher:
             q.get_nowait()
         except queue.Empty:
             break
+
+
+def _worker_slots(asked: bool | None, source: Any, loader: WrappedLoader, cuda: bool,
+                  pinned_budget: int | None) -> WorkerSlots | None:
+    """The slots a DataLoader's workers collate into, where ``worker_slots`` asks for them (see
+    :class:`CudaPrefetcher`)."""
+    if asked is None:
+        return WorkerSlots(pin=True) if cuda and pinned_budget != 0 and loader.source_loader is None else None
+    if not asked:
+        return None
+    if not (has_workers(source) or loader.is_factory):
+        what = "num_workers=0" if hasattr(source, "num_workers") else f"a {type(source).__name__}"
+        raise ValueError(f"worker_slots=True: the workers of a DataLoader (num_workers > 0) collate into the "
+                         f"slots, and {what} has none; leave worker_slots unset")
+    if cuda and pinned_budget == 0:
+        raise ValueError("worker_slots=True pins the workers' shared buffers, and pinned_budget=0 turns "
+                         "pinning off: pass one of them")
+    return WorkerSlots(pin=cuda)
 
 
 def _resolve_device(device: torch.device | str | int | None) -> torch.device:

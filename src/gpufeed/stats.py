@@ -28,6 +28,8 @@ class PrefetchStats:
     a CUDA event costs time on every batch), and ``timed_bytes`` what they copied, so ``h2d_GBps`` is the
     rate the link was fed at over that sample. A pageable batch's copies wait for its chunks to be pinned,
     so its time spans its staging too (and, the first time, the pinning of fresh pool memory).
+    ``slot_batches`` counts the batches a DataLoader's workers collated into the prefetcher's pinned
+    shared slots (``worker_slots``): the main process copied none of their bytes.
 
     Example:
         >>> s = PrefetchStats(batches=10, bytes=10 << 20, wait_s=0.01, wall_s=1.0)
@@ -46,6 +48,7 @@ class PrefetchStats:
     timed_bytes: int = 0
     staged_bytes: int = 0
     threaded_batches: int = 0
+    slot_batches: int = 0
     #: The loop's GPU work was still running when it asked for a batch (sampled on each epoch's first
     #: batches, on CUDA).
     gpu_busy: bool = False
@@ -87,7 +90,7 @@ class PrefetchStats:
         return self.stall_fraction > 0.05 and self.loop_did_work
 
     def add(self, *, bytes: int = 0, staged_bytes: int = 0, stage_s: float = 0.0, fetch_s: float = 0.0,
-            copy_s: float = 0.0, timed_bytes: int = 0) -> None:
+            copy_s: float = 0.0, timed_bytes: int = 0, slot_batches: int = 0) -> None:
         """Add to the fetching side's counters (thread-safe: a stopped epoch's thread may still count beside
         the next epoch's). Named arguments, not a dict of them: it runs a few times a batch."""
         with self._lock:
@@ -97,10 +100,11 @@ class PrefetchStats:
             self.fetch_s += fetch_s
             self.copy_s += copy_s
             self.timed_bytes += timed_bytes
+            self.slot_batches += slot_batches
 
     def as_dict(self) -> dict[str, float]:
         keys = ("batches", "bytes", "wait_s", "wall_s", "startup_s", "fetch_s", "stage_s", "copy_s",
-                "timed_bytes", "staged_bytes", "threaded_batches", "gpu_busy")
+                "timed_bytes", "staged_bytes", "threaded_batches", "slot_batches", "gpu_busy")
         d: dict[str, float] = {k: getattr(self, k) for k in keys}
         d.update(stall_fraction=self.stall_fraction, h2d_GBps=self.h2d_GBps,
                  stage_GBps=self.stage_GBps, throughput_GBps=self.throughput_GBps)
@@ -118,7 +122,8 @@ class PrefetchStats:
             f"[{verdict}] {self.batches} batches, {self.bytes / 1e9:.2f} GB, consumer waited for data "
             f"{self.stall_fraction:.1%} of {self.wall_s:.2f}s between first and last batches (start-up "
             f"{self.startup_s:.2f}s not counted); {self.threaded_batches} fetched on the background "
-            f"thread, the rest on the loop's; fetch {self.fetch_s:.2f}s, "
+            f"thread, the rest on the loop's; {self.slot_batches} collated into pinned slots; "
+            f"fetch {self.fetch_s:.2f}s, "
             f"stage {self.stage_s:.2f}s ({self.stage_GBps:.1f} GB/s), H2D {self.h2d_GBps:.1f} GB/s (timed "
             f"batches), {self.throughput_GBps:.1f} GB/s delivered"
         )

@@ -1,0 +1,227 @@
+"""DataLoader workers collate into shared memory that the main process pinned once: :class:`WorkerSlots`.
+
+A DataLoader worker hands each batch over in a fresh shared-memory segment, which the main process maps
+(a page fault per page) and, to copy it to the GPU without a stall, copies once more into pinned memory,
+192 MiB at a time for a ResNet batch: the loader's hand-over, not the link, then bounds the loop
+(docs/design.md, "A training loop: ResNet-18"). Here each worker copies its collated batch into a slot, a
+shared-memory buffer of its own that the main process registered with CUDA (``cudaHostRegister``) the
+first time it arrived. What crosses to the main process is the batch's structure and the slot's number:
+the main process copies nothing, and the copy engine reads the slot directly. The slots outlive the
+workers (a DataLoader without persistent workers starts new ones each epoch, and they are handed the same
+slots), so each is pinned once in a prefetcher's life.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpufeed._tree import flatten
+from gpufeed.staging import aligned
+
+#: A new slot's size is the batch's bytes rounded up to a whole number of these, so that batches a little
+#: larger (a ragged last sample, a longer sequence) still fit it.
+SLOT_GRAIN = 1 << 20
+FREE, BUSY = 0, 1
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """Where one tensor of a slotted batch lies in its slot."""
+
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class SlotBatch:
+    """What a worker sends instead of a batch: the batch with each tensor replaced by a :class:`_Leaf`, the
+    slot that holds the tensors' bytes, and, the first time a slot is used, the slot itself (its memory
+    crosses once, as a shared-memory handle)."""
+
+    sid: int
+    batch: Any
+    slot: torch.Tensor | None = None
+
+
+class SlotCollate:
+    """The collate function a DataLoader's workers run while a prefetcher iterates it: the loader's own
+    ``collate_fn``, then the batch's tensors copied into a free slot of this worker.
+
+    Worker ``w`` owns the slot numbers ``w * per_worker`` to ``(w + 1) * per_worker - 1``; ``state`` (shared
+    memory) says which are busy: a worker marks a slot busy before it writes it, the main process marks it
+    free once the copy that read it completed. A worker with no free slot that fits makes one (in a number
+    it does not use yet, or in place of a free one too small); with none free it sends the batch as the
+    DataLoader would, so a batch never waits for a slot. ``state[-1]`` is 1 while a prefetcher iterates the
+    loader: persistent workers send plain batches to anyone who iterates the loader after it.
+    """
+
+    def __init__(self, collate_fn: Any, state: torch.Tensor, slots: dict[int, torch.Tensor],
+                 per_worker: int) -> None:
+        self.collate_fn = collate_fn
+        self.state = state
+        self.slots = slots
+        self.per_worker = per_worker
+        self._mine: dict[int, torch.Tensor] | None = None  # in a worker: its slots, from its first batch
+        self._flags: Any = None  # in a worker: ``state`` as numpy (an element read costs no torch call)
+
+    def __call__(self, samples: Any) -> Any:
+        batch = self.collate_fn(samples)
+        info = torch.utils.data.get_worker_info()
+        if self._flags is None:
+            self._flags = self.state.numpy()
+        if info is None or not self._flags[-1]:
+            return batch
+        leaves, rebuild = flatten(batch)
+        if not leaves or not all(_plain(t) for t in leaves):
+            return batch
+        offsets, total = [], 0
+        for t in leaves:
+            offsets.append(total)
+            total += aligned(t.nbytes)
+        taken = self._take(info.id, total)
+        if taken is None:
+            return batch
+        sid, slot, new = taken
+        for t, off in zip(leaves, offsets, strict=True):
+            if t.nbytes:
+                slot[off : off + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+        specs = [_Leaf(off, t.dtype, tuple(t.shape)) for t, off in zip(leaves, offsets, strict=True)]
+        return SlotBatch(sid, rebuild(specs), slot if new else None)
+
+    def _take(self, worker: int, nbytes: int) -> tuple[int, torch.Tensor, bool] | None:
+        """A slot of at least ``nbytes`` for this worker, marked busy: ``(number, slot, new)``."""
+        if self._mine is None:
+            lo = worker * self.per_worker
+            self._mine = {i: s for i, s in self.slots.items() if lo <= i < lo + self.per_worker}
+        state, mine = self._flags, self._mine
+        numbers = range(worker * self.per_worker, (worker + 1) * self.per_worker)
+        for i in numbers:
+            if i in mine and state[i] == FREE and mine[i].numel() >= nbytes:
+                state[i] = BUSY
+                return i, mine[i], False
+        unused = [i for i in numbers if i not in mine]
+        too_small = [i for i in numbers if i in mine and state[i] == FREE]
+        for i in unused + too_small:
+            mine[i] = torch.empty(-(-nbytes // SLOT_GRAIN) * SLOT_GRAIN, dtype=torch.uint8).share_memory_()
+            state[i] = BUSY
+            return i, mine[i], True
+        return None
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized
+
+
+class WorkerSlots:
+    """A prefetcher's slots (shared memory its DataLoader workers collate into), each pinned once.
+
+    Invariants: a slot is marked free only when no copy reads it (:meth:`release`, called once the copy that
+    read it completed); a slot is unregistered only when free (a worker replaced it, or the prefetcher
+    closed after its copies completed). ``pin=False`` (the CPU path) keeps the slots in shared memory
+    only: the batch is copied out of its slot before the slot is released.
+    """
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self._slots: dict[int, torch.Tensor] = {}
+        self._leased: set[int] = set()
+        self._state: torch.Tensor | None = None
+        self._flags: Any = None  # ``_state`` as numpy
+        self._registered: set[int] = set()  # the addresses of the slots registered with CUDA
+        self._per_worker = 0
+        self._lock = threading.Lock()  # the fetching thread opens; a close() or a collect may release
+
+    def collate(self, loader: Any) -> SlotCollate | None:
+        """The collate function for the workers of an iteration of ``loader`` about to start, or None where
+        slots cannot be handed out (the loader's workers changed while slots were in use)."""
+        per_worker = (loader.prefetch_factor or 2) + 2  # a worker's queued batches, and two being copied
+        size = loader.num_workers * per_worker
+        with self._lock:
+            if self._state is None or self._per_worker != per_worker or len(self._state) != size + 1:
+                if self._leased:
+                    return None
+                self._unregister_all()
+                self._state = torch.zeros(size + 1, dtype=torch.int8).share_memory_()
+                self._flags = self._state.numpy()
+                self._per_worker = per_worker
+            for i in range(size):  # a batch of a stopped iteration never arrives: its slot is free again
+                if i not in self._leased:
+                    self._flags[i] = FREE
+            self._flags[-1] = 1
+            return SlotCollate(loader.collate_fn, self._state, dict(self._slots), per_worker)
+
+    def stop(self) -> None:
+        """The iteration ended: persistent workers send plain batches until the next one."""
+        if self._flags is not None:
+            self._flags[-1] = 0
+
+    def open(self, sb: SlotBatch) -> tuple[Any, Callable[[], None]]:
+        """The batch of ``sb``, its tensors views of its slot (pinned), and what releases the slot: called
+        once no copy reads it (a second call does nothing)."""
+        with self._lock:
+            if sb.slot is not None:
+                self._install(sb.sid, sb.slot)
+            slot = self._slots[sb.sid]
+            self._leased.add(sb.sid)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._release(sb.sid)
+
+        specs, rebuild = flatten(sb.batch, leaf=_Leaf)
+        views = [slot[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in specs]
+        return rebuild(views), release
+
+    def _release(self, sid: int) -> None:
+        with self._lock:
+            self._leased.discard(sid)
+            if self._flags is not None:
+                self._flags[sid] = FREE
+
+    def close(self) -> None:
+        """Unregister every slot; the caller has waited for the copies that read them."""
+        with self._lock:
+            self._leased.clear()
+            self._unregister_all()
+
+    def _install(self, sid: int, slot: torch.Tensor) -> None:
+        old = self._slots.pop(sid, None)
+        if old is not None:
+            self._unregister(old)
+        if self.pin:
+            try:
+                torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(slot.data_ptr(), slot.nbytes, 0))
+                self._registered.add(slot.data_ptr())
+            except RuntimeError as exc:  # the locked-memory limit: the batch is staged as a pageable one
+                self.pin = False
+                warnings.warn(f"gpufeed: cannot pin the DataLoader workers' shared buffers ({exc}); their "
+                              "batches are staged through pinned memory instead. Raise the locked-memory "
+                              "limit (ulimit -l) or pass worker_slots=False", RuntimeWarning, stacklevel=2)
+        self._slots[sid] = slot
+
+    def _unregister_all(self) -> None:
+        for slot in self._slots.values():
+            self._unregister(slot)
+        self._slots.clear()
+
+    def _unregister(self, slot: torch.Tensor) -> None:
+        if slot.data_ptr() in self._registered:
+            self._registered.discard(slot.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(slot.data_ptr())

@@ -1,0 +1,200 @@
+"""DataLoader workers collating into the prefetcher's shared slots (``worker_slots``), on the CPU path: the
+same protocol as on CUDA, where the batch is copied out of its slot instead of to the device."""
+
+import collections
+import types
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data._utils.collate import default_collate
+
+from gpufeed import CudaPrefetcher
+from gpufeed._worker_slots import SLOT_GRAIN, SlotBatch, SlotCollate, WorkerSlots
+
+Pair = collections.namedtuple("Pair", "a b")
+ROW = 1 << 16  # float32 elements of ``x`` a sample: 256 KiB, so that batch sizes cross slot sizes
+
+
+class Items(Dataset):
+    """Item ``i``: tensors whose every element says ``i`` (float32, int64 in a namedtuple, bool, float16, a
+    non-contiguous view), an int and a str."""
+
+    def __init__(self, n, fail_at=None):
+        self.n, self.fail_at = n, fail_at
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.fail_at:
+            raise KeyError(f"item {i} is broken")
+        return {"x": torch.full((ROW,), float(i)),
+                "pair": Pair(torch.arange(i, i + 3), torch.tensor(i % 2 == 0)),
+                "half": torch.full((2, 2), i, dtype=torch.float16),
+                "t": torch.arange(6).reshape(2, 3).t() + i,
+                "i": i, "name": f"s{i}"}
+
+
+def assert_same(got, want):
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want) and got.is_contiguous()
+    elif isinstance(want, dict):
+        assert type(got) is dict and list(got) == list(want)
+        for k in want:
+            assert_same(got[k], want[k])
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert_same(a, b)
+    else:
+        assert got == want
+
+
+def uneven_batches(n):
+    """Index lists of 1 to 9 rows (256 KiB to 2.3 MiB of ``x``), so slots are outgrown and replaced."""
+    out, i, size = [], 0, 1
+    while i < n:
+        out.append(list(range(i, min(n, i + size))))
+        i += size
+        size = size % 9 + 4
+    return out
+
+
+def test_every_batch_is_exact_and_crosses_in_a_slot_over_epochs():
+    ds = Items(120)
+    sampler = uneven_batches(len(ds))
+    loader = DataLoader(ds, batch_sampler=sampler, num_workers=2)
+    pf = CudaPrefetcher(loader, device="cpu", worker_slots=True)
+    per_worker = loader.prefetch_factor + 2
+    largest = max(len(b) for b in sampler) * (ROW * 4 + 4 * 64)
+    for epoch in range(3):
+        for batch, idx in zip(pf, sampler, strict=True):
+            assert_same(batch, default_collate([ds[i] for i in idx]))
+        assert pf.stats.slot_batches == (epoch + 1) * len(sampler)
+        slots = pf._slots._slots
+        assert 0 < len(slots) <= loader.num_workers * per_worker
+        assert sum(s.nbytes for s in slots.values()) <= len(slots) * (largest + SLOT_GRAIN)  # bounded
+    assert loader.collate_fn is default_collate  # the user's loader is left as it was
+    pf.close()
+    assert not pf._slots._slots
+
+
+def test_new_workers_are_handed_the_slots_of_the_epoch_before():
+    """A factory makes a new DataLoader (new workers) every epoch; its workers reuse the slots (each is pinned
+    once), and make a new one only when all theirs are busy."""
+    ds = Items(48)
+    pf = CudaPrefetcher(lambda: DataLoader(ds, batch_size=4, num_workers=2), device="cpu", worker_slots=True)
+    seen = []
+    for _ in range(3):
+        for b, start in zip(pf, range(0, 48, 4), strict=True):
+            assert b["i"].tolist() == list(range(start, start + 4))
+        seen.append({i: s.data_ptr() for i, s in pf._slots._slots.items()})
+    assert seen[0].items() <= seen[1].items() <= seen[2].items()  # none replaced: every batch fits
+    assert pf.stats.slot_batches == 36
+    pf.close()
+
+
+def test_persistent_workers_send_plain_batches_when_the_loader_is_iterated_without_the_prefetcher():
+    ds = Items(24)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True)
+    pf = CudaPrefetcher(loader, device="cpu", worker_slots=True)
+    assert [b["i"].tolist()[0] for b in pf] == list(range(0, 24, 4))
+    direct = list(loader)  # the same workers, started by the prefetcher with its collate function
+    assert all(type(b) is dict for b in direct)
+    for got, start in zip(direct, range(0, 24, 4), strict=True):
+        assert_same(got, default_collate([ds[i] for i in range(start, start + 4)]))
+    assert [b["i"].tolist()[0] for b in pf] == list(range(0, 24, 4))
+    assert pf.stats.slot_batches == 12
+    pf.close()
+
+
+def test_a_worker_error_arrives_at_its_batch_and_the_next_epoch_is_exact():
+    ds = Items(40, fail_at=13)
+    pf = CudaPrefetcher(DataLoader(ds, batch_size=4, num_workers=2), device="cpu", worker_slots=True)
+    got = []
+    with pytest.raises(KeyError, match="item 13 is broken"):
+        for b in pf:
+            got.append(b["i"].tolist()[0])
+    assert got == [0, 4, 8]
+    ds.fail_at = None  # (the next epoch's workers fork from this process)
+    assert [b["i"].tolist()[0] for b in pf] == list(range(0, 40, 4))
+    pf.close()
+
+
+def test_a_broken_off_epoch_frees_its_slots_for_the_next():
+    ds = Items(64)
+    loader = DataLoader(ds, batch_size=4, num_workers=2)
+    pf = CudaPrefetcher(loader, device="cpu", worker_slots=True)
+    for _ in range(3):
+        for k, _ in enumerate(pf):
+            if k == 1:
+                break
+    assert [b["i"].tolist()[0] for b in pf] == list(range(0, 64, 4))
+    assert len(pf._slots._slots) <= loader.num_workers * (loader.prefetch_factor + 2)
+    pf.close()
+
+
+def test_worker_slots_needs_a_dataloader_with_workers():
+    with pytest.raises(ValueError, match=r"worker_slots=True.*list"):
+        CudaPrefetcher([torch.ones(2)], device="cpu", worker_slots=True)
+    with pytest.raises(ValueError, match=r"worker_slots=True.*num_workers=0"):
+        CudaPrefetcher(DataLoader(Items(4), batch_size=2), device="cpu", worker_slots=True)
+    # off on the CPU unless asked for; and asked off, batches cross as the DataLoader hands them over
+    for asked in (None, False):
+        loader = DataLoader(Items(8), batch_size=4, num_workers=1)
+        pf = CudaPrefetcher(loader, device="cpu", worker_slots=asked)
+        assert [b["i"].tolist()[0] for b in pf] == [0, 4] and pf.stats.slot_batches == 0
+        pf.close()
+
+
+# -- the protocol, in one process ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def in_worker(monkeypatch):
+    """Collate as DataLoader worker 0 would."""
+    info = types.SimpleNamespace(id=0, num_workers=1)
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: info)
+
+
+def slot_collate(per_worker=1):
+    slots = WorkerSlots(pin=False)
+    loader = types.SimpleNamespace(prefetch_factor=per_worker - 2, num_workers=1, collate_fn=default_collate)
+    return slots, slots.collate(loader)
+
+
+def test_a_worker_without_a_free_slot_sends_the_batch_as_it_is_and_reuses_a_released_one(in_worker):
+    slots, collate = slot_collate(per_worker=1)
+    rows = [{"x": torch.full((4,), 1.0)}, {"x": torch.full((4,), 2.0)}]
+    first = collate(rows)
+    assert isinstance(first, SlotBatch) and first.slot is not None  # a new slot crosses once
+    batch, release = slots.open(first)
+    assert batch["x"].tolist() == [[1.0] * 4, [2.0] * 4]
+    plain = collate(rows[::-1])  # the only slot is leased: the batch goes as the DataLoader would send it
+    assert type(plain) is dict and plain["x"][0].tolist() == [2.0] * 4
+    release()
+    release()  # a second call does nothing
+    again = collate(rows[::-1])
+    assert isinstance(again, SlotBatch) and again.slot is None and again.sid == first.sid
+    assert slots.open(again)[0]["x"][0].tolist() == [2.0] * 4
+    assert batch["x"][0].tolist() == [2.0] * 4  # the same memory: why a slot is released only after its copy
+
+
+def test_a_free_slot_too_small_is_replaced(in_worker):
+    slots, collate = slot_collate(per_worker=1)
+    small = collate([torch.zeros(8)])
+    _, release = slots.open(small)
+    release()
+    big = collate([torch.arange(SLOT_GRAIN // 4 + 1, dtype=torch.float32)])  # more than the slot holds
+    assert big.sid == small.sid and big.slot is not None and big.slot.nbytes == 2 * SLOT_GRAIN
+    batch, _ = slots.open(big)
+    assert torch.equal(batch[0], torch.arange(SLOT_GRAIN // 4 + 1, dtype=torch.float32))
+    assert slots._slots[big.sid] is big.slot
+
+
+def test_outside_a_worker_the_collate_function_is_the_loaders_own():
+    _, collate = slot_collate(per_worker=3)
+    assert isinstance(collate, SlotCollate)
+    assert type(collate([{"x": torch.ones(2)}])) is dict
