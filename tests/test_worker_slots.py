@@ -2,6 +2,7 @@
 same protocol as on CUDA, where the batch is copied out of its slot instead of to the device."""
 
 import collections
+import time
 import types
 
 import pytest
@@ -110,6 +111,74 @@ def test_persistent_workers_send_plain_batches_when_the_loader_is_iterated_witho
     pf.close()
 
 
+class Calls(Dataset):
+    """Item ``i`` of each worker's ``k``-th call: bytes that all say ``k``, of a size that outgrows the slots
+    made before it, so the batches queued when an epoch is broken off carry new and replaced slots."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        self.calls += 1  # in the worker, across epochs (persistent)
+        time.sleep(0.05)
+        n = [1, 3, 5, 7, 9][i] * SLOT_GRAIN // 2 if i < 5 and (i or self.calls == 1) else SLOT_GRAIN // 4
+        return {"x": torch.full((n,), self.calls % 256, dtype=torch.uint8), "calls": self.calls}
+
+
+def test_persistent_workers_resend_a_slot_whose_batch_a_broken_off_epoch_dropped():
+    loader = DataLoader(Calls(), batch_size=1, num_workers=1, persistent_workers=True)
+    pf = CudaPrefetcher(loader, device="cpu", worker_slots=True)
+    for k, _ in enumerate(pf):
+        time.sleep(0.4)  # the worker runs ahead: its queued batches made a new slot and replaced one
+        if k == 2:
+            break
+    for epoch in range(2):
+        got = [(int(b["x"][0, 0]), int(b["calls"][0]), b["x"].numel()) for b in pf]
+        assert len(got) == 8 and all(x == calls % 256 for x, calls, _ in got), (epoch, got)
+    pf.close()
+
+
+def test_a_stateful_dataloader_collates_into_slots_from_its_first_epoch_and_resumes():
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    for persistent in (False, True):
+        loader = stateful.StatefulDataLoader(Items(40), batch_size=4, num_workers=2,
+                                             persistent_workers=persistent)
+        pf = CudaPrefetcher(loader, device="cpu", worker_slots=True)
+        it = iter(pf)
+        assert [next(it)["i"][0].item() for _ in range(4)] == [0, 4, 8, 12]
+        state = pf.state_dict()
+        assert pf.stats.slot_batches == 4
+        pf.close()
+        resumed = stateful.StatefulDataLoader(Items(40), batch_size=4, num_workers=2,
+                                              persistent_workers=persistent)
+        pf = CudaPrefetcher(resumed, device="cpu", worker_slots=True)
+        pf.load_state_dict(state)
+        assert [b["i"][0].item() for b in pf] == list(range(16, 40, 4))
+        assert pf.stats.slot_batches == 6
+        pf.close()
+
+
+class Boxes(torch.Tensor):
+    pass
+
+
+def test_a_batch_with_a_tensor_subclass_or_a_nested_tensor_crosses_as_the_dataloader_sends_it():
+    def collate(rows):
+        return {"boxes": torch.stack(rows).as_subclass(Boxes),
+                "ragged": torch.nested.nested_tensor([r[: i + 1] for i, r in enumerate(rows)])}
+
+    loader = DataLoader([torch.arange(3.0) + i for i in range(4)], batch_size=2, num_workers=1,
+                        collate_fn=collate)
+    pf = CudaPrefetcher(loader, device="cpu", worker_slots=True)
+    got = list(pf)
+    assert [type(b["boxes"]) for b in got] == [Boxes, Boxes] and got[1]["boxes"][0].tolist() == [2, 3, 4]
+    assert got[1]["ragged"].is_nested and pf.stats.slot_batches == 0
+    pf.close()
+
+
 def test_a_worker_error_arrives_at_its_batch_and_the_next_epoch_is_exact():
     ds = Items(40, fail_at=13)
     pf = CudaPrefetcher(DataLoader(ds, batch_size=4, num_workers=2), device="cpu", worker_slots=True)
@@ -162,7 +231,7 @@ def in_worker(monkeypatch):
 def slot_collate(per_worker=1):
     slots = WorkerSlots(pin=False)
     loader = types.SimpleNamespace(prefetch_factor=per_worker - 2, num_workers=1, collate_fn=default_collate)
-    return slots, slots.collate(loader)
+    return slots, slots.begin(loader)
 
 
 def test_a_worker_without_a_free_slot_sends_the_batch_as_it_is_and_reuses_a_released_one(in_worker):
@@ -192,6 +261,16 @@ def test_a_free_slot_too_small_is_replaced(in_worker):
     batch, _ = slots.open(big)
     assert torch.equal(batch[0], torch.arange(SLOT_GRAIN // 4 + 1, dtype=torch.float32))
     assert slots._slots[big.sid] is big.slot
+
+
+def test_slots_go_to_the_workers_of_one_iteration_at_a_time():
+    """An earlier iteration not ended (its fetch thread outlived its stop, so its workers may still write):
+    the next iteration's workers get no slots, and send plain batches."""
+    slots, collate = slot_collate(per_worker=3)
+    loader = types.SimpleNamespace(prefetch_factor=1, num_workers=1, collate_fn=default_collate)
+    assert collate is not None and slots.begin(loader) is None
+    slots.end()
+    assert slots.begin(loader) is not None
 
 
 def test_outside_a_worker_the_collate_function_is_the_loaders_own():

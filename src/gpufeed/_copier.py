@@ -173,7 +173,7 @@ class Copier:
                 release()
             else:
                 out = self._to_cuda(batch, release)
-        except BaseException:
+        except BaseException:  # the batch is never handed out: what its copies read no longer matters
             release()
             raise
         self.stats.add(slot_batches=1)

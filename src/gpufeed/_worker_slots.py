@@ -49,10 +49,11 @@ class _Leaf:
 @dataclass
 class SlotBatch:
     """What a worker sends instead of a batch: the batch with each tensor replaced by a :class:`_Leaf`, the
-    slot that holds the tensors' bytes, and, the first time a slot is used, the slot itself (its memory
-    crosses once, as a shared-memory handle)."""
+    number and generation of the slot that holds the tensors' bytes, and the slot itself while the main
+    process has not installed that generation (its memory crosses as a shared-memory handle)."""
 
     sid: int
+    gen: int
     batch: Any
     slot: torch.Tensor | None = None
 
@@ -67,15 +68,22 @@ class SlotCollate:
     it does not use yet, or in place of a free one too small); with none free it sends the batch as the
     DataLoader would, so a batch never waits for a slot. ``state[-1]`` is 1 while a prefetcher iterates the
     loader: persistent workers send plain batches to anyone who iterates the loader after it.
+
+    Each slot number has a generation, raised each time a worker makes a new slot there; ``installed``
+    (shared) holds the generation the main process installed, and a worker sends the slot itself with
+    every batch until the two agree: a batch that carried a new slot and was dropped (a persistent
+    DataLoader discards the batches of a broken-off epoch) is never taken to have installed it.
     """
 
-    def __init__(self, collate_fn: Any, state: torch.Tensor, slots: dict[int, torch.Tensor],
-                 per_worker: int) -> None:
+    def __init__(self, collate_fn: Any, state: torch.Tensor, installed: torch.Tensor,
+                 slots: dict[int, torch.Tensor], per_worker: int) -> None:
         self.collate_fn = collate_fn
         self.state = state
+        self.installed = installed
         self.slots = slots
         self.per_worker = per_worker
         self._mine: dict[int, torch.Tensor] | None = None  # in a worker: its slots, from its first batch
+        self._gens: dict[int, int] = {}  # in a worker: the generation of each of its slots
         self._flags: Any = None  # in a worker: ``state`` as numpy (an element read costs no torch call)
 
     def __call__(self, samples: Any) -> Any:
@@ -92,47 +100,53 @@ class SlotCollate:
         for t in leaves:
             offsets.append(total)
             total += aligned(t.nbytes)
-        taken = self._take(info.id, total)
-        if taken is None:
+        sid = self._take(info.id, total) if total else None
+        if sid is None:
             return batch
-        sid, slot, new = taken
+        slot, gen = self._mine[sid], self._gens[sid]
         for t, off in zip(leaves, offsets, strict=True):
             if t.nbytes:
                 slot[off : off + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
         specs = [_Leaf(off, t.dtype, tuple(t.shape)) for t, off in zip(leaves, offsets, strict=True)]
-        return SlotBatch(sid, rebuild(specs), slot if new else None)
+        return SlotBatch(sid, gen, rebuild(specs), None if self.installed[sid] == gen else slot)
 
-    def _take(self, worker: int, nbytes: int) -> tuple[int, torch.Tensor, bool] | None:
-        """A slot of at least ``nbytes`` for this worker, marked busy: ``(number, slot, new)``."""
-        if self._mine is None:
-            lo = worker * self.per_worker
-            self._mine = {i: s for i, s in self.slots.items() if lo <= i < lo + self.per_worker}
-        state, mine = self._flags, self._mine
+    def _take(self, worker: int, nbytes: int) -> int | None:
+        """The number of a slot of at least ``nbytes`` of this worker, marked busy (made if need be)."""
         numbers = range(worker * self.per_worker, (worker + 1) * self.per_worker)
+        if self._mine is None:
+            self._mine = {i: self.slots[i] for i in numbers if i in self.slots}
+            self._gens = {i: int(self.installed[i]) for i in self._mine}
+        state, mine = self._flags, self._mine
         for i in numbers:
             if i in mine and state[i] == FREE and mine[i].numel() >= nbytes:
                 state[i] = BUSY
-                return i, mine[i], False
+                return i
         unused = [i for i in numbers if i not in mine]
         too_small = [i for i in numbers if i in mine and state[i] == FREE]
         for i in unused + too_small:
             mine[i] = torch.empty(-(-nbytes // SLOT_GRAIN) * SLOT_GRAIN, dtype=torch.uint8).share_memory_()
+            self._gens[i] = max(self._gens.get(i, 0), int(self.installed[i])) + 1
             state[i] = BUSY
-            return i, mine[i], True
+            return i
         return None
 
 
 def _plain(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized
+    """A tensor a slot can hold: a plain strided CPU tensor (a subclass, such as torchvision's ``tv_tensors``,
+    would come back as a plain tensor, and a nested tensor has no single shape)."""
+    return (type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided
+            and not t.is_quantized and not t.is_nested)
 
 
 class WorkerSlots:
     """A prefetcher's slots (shared memory its DataLoader workers collate into), each pinned once.
 
-    Invariants: a slot is marked free only when no copy reads it (:meth:`release`, called once the copy that
-    read it completed); a slot is unregistered only when free (a worker replaced it, or the prefetcher
-    closed after its copies completed). ``pin=False`` (the CPU path) keeps the slots in shared memory
-    only: the batch is copied out of its slot before the slot is released.
+    Invariants: a slot is marked free only when no copy reads it (the release function :meth:`open` returns
+    is called once the copy that read it completed); a slot is unregistered only when free (a worker
+    replaced it, or the prefetcher closed after its copies completed); slots are handed to the workers of
+    one iteration at a time (:meth:`begin` to :meth:`end`), so two sets of workers never share them.
+    ``pin=False`` (the CPU path) keeps the slots in shared memory only: the batch is copied out of its slot
+    before the slot is released.
     """
 
     def __init__(self, pin: bool) -> None:
@@ -141,33 +155,43 @@ class WorkerSlots:
         self._leased: set[int] = set()
         self._state: torch.Tensor | None = None
         self._flags: Any = None  # ``_state`` as numpy
+        self._installed: torch.Tensor | None = None  # the generation of each slot installed here
+        self._open = False  # an iteration's workers hold the slots
         self._registered: set[int] = set()  # the addresses of the slots registered with CUDA
         self._per_worker = 0
         self._lock = threading.Lock()  # the fetching thread opens; a close() or a collect may release
 
-    def collate(self, loader: Any) -> SlotCollate | None:
+    def begin(self, loader: Any) -> SlotCollate | None:
         """The collate function for the workers of an iteration of ``loader`` about to start, or None where
-        slots cannot be handed out (the loader's workers changed while slots were in use)."""
+        slots cannot be handed out: the workers of an earlier iteration may still run (its fetch thread
+        outlived its stop), or the loader's workers changed while slots were in use."""
         per_worker = (loader.prefetch_factor or 2) + 2  # a worker's queued batches, and two being copied
         size = loader.num_workers * per_worker
         with self._lock:
+            if self._open:
+                return None
             if self._state is None or self._per_worker != per_worker or len(self._state) != size + 1:
                 if self._leased:
                     return None
                 self._unregister_all()
                 self._state = torch.zeros(size + 1, dtype=torch.int8).share_memory_()
                 self._flags = self._state.numpy()
+                self._installed = torch.zeros(size, dtype=torch.int64).share_memory_()
                 self._per_worker = per_worker
             for i in range(size):  # a batch of a stopped iteration never arrives: its slot is free again
                 if i not in self._leased:
                     self._flags[i] = FREE
             self._flags[-1] = 1
-            return SlotCollate(loader.collate_fn, self._state, dict(self._slots), per_worker)
+            self._open = True
+            return SlotCollate(loader.collate_fn, self._state, self._installed, dict(self._slots), per_worker)
 
-    def stop(self) -> None:
-        """The iteration ended: persistent workers send plain batches until the next one."""
-        if self._flags is not None:
-            self._flags[-1] = 0
+    def end(self) -> None:
+        """The iteration ended and its workers shut down (persistent ones send plain batches until the
+        next)."""
+        with self._lock:
+            self._open = False
+            if self._flags is not None:
+                self._flags[-1] = 0
 
     def open(self, sb: SlotBatch) -> tuple[Any, Callable[[], None]]:
         """The batch of ``sb``, its tensors views of its slot (pinned), and what releases the slot: called
@@ -175,6 +199,9 @@ class WorkerSlots:
         with self._lock:
             if sb.slot is not None:
                 self._install(sb.sid, sb.slot)
+                self._installed[sb.sid] = sb.gen
+            elif int(self._installed[sb.sid]) != sb.gen:  # (the generations above make this unreachable)
+                raise RuntimeError(f"gpufeed: worker slot {sb.sid} generation {sb.gen} was never installed")
             slot = self._slots[sb.sid]
             self._leased.add(sb.sid)
         released = False

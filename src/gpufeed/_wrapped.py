@@ -30,7 +30,7 @@ class WrappedLoader:
     the last batch handed to the consumer is what :meth:`state_dict` returns.
     """
 
-    def __init__(self, loader: Any, slots: WorkerSlots | None = None) -> None:
+    def __init__(self, loader: Any) -> None:
         from gpufeed.source_loader import SourceLoader
         from gpufeed.sources.base import BatchSource
 
@@ -45,7 +45,7 @@ class WrappedLoader:
                 f"returning one; got {type(loader).__name__}"
             )
         self.source = loader
-        self.slots = slots  # where a DataLoader's workers collate into, when they do
+        self.slots: WorkerSlots | None = None  # where a DataLoader's workers collate into (the prefetcher's)
         self._factory = loader if is_factory else None
         self.is_factory = is_factory
         # An iterator (a generator) is used up by one epoch; its second epoch would be silently empty.
@@ -81,9 +81,11 @@ class WrappedLoader:
             self.source_loader.begin_epoch(epoch)
 
     def initial_state(self, epoch: int, start: int) -> Any:
+        """The state before an iteration's first batch; None: the loader's own, asked when needed (a
+        StatefulDataLoader asked now would start its workers before the iteration hands them its slots)."""
         if self.source_loader is not None:
             return self.source_loader.state_at(epoch, start)
-        return self.source.state_dict() if self.stateful else None
+        return None
 
     def state_dict(self, last: Any, epoch: int) -> dict[str, Any]:
         if not self.stateful:
@@ -168,18 +170,24 @@ def _slotted(loader: Any, slots: WorkerSlots | None) -> Iterable[Any]:
 def _slotted_batches(loader: Any, slots: WorkerSlots) -> Iterator[Any]:
     # The loader's collate_fn is ours only while its iterator starts (its workers take it then): the user's
     # loader is left as it was.
-    collate = slots.collate(loader)
+    collate = slots.begin(loader)
     original = loader.collate_fn
     if collate is not None:
         loader.collate_fn = collate
     try:
         it = iter(loader)
+    except BaseException:
+        if collate is not None:
+            slots.end()
+        raise
     finally:
         loader.collate_fn = original
     try:
         yield from it
     finally:
-        slots.stop()
+        del it  # a DataLoader iterator shuts its workers down now, before the slots are handed out again
+        if collate is not None:
+            slots.end()
 
 
 class _Lazy:
