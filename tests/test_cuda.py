@@ -253,3 +253,22 @@ def test_worker_slots_off_or_pinning_off_leaves_the_dataloader_hand_over_as_it_i
     with pytest.raises(ValueError, match="pinned_budget=0"):
         loader = torch.utils.data.DataLoader(Images(), num_workers=1)
         CudaPrefetcher(loader, worker_slots=True, pinned_budget=0)
+
+
+def test_slots_that_cannot_be_pinned_are_staged_with_one_warning(monkeypatch):
+    """cudaHostRegister refused (the locked-memory limit): one warning, and the slots' batches are staged as
+    pageable ones, exactly."""
+    import gpufeed._worker_slots as ws
+
+    class Refusing:
+        def cudaHostRegister(self, ptr, size, flags):
+            return 2  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(ws.torch.cuda, "cudart", Refusing)
+    loader = torch.utils.data.DataLoader(Images(), batch_size=8, num_workers=2)
+    with pytest.warns(RuntimeWarning, match="cannot pin") as caught, CudaPrefetcher(loader) as pf:
+        for _ in range(2):
+            assert [int(i[0]) for _, i in pf] == list(range(0, 96, 8))
+            assert all(torch.equal(x[:, 0], i.float()) for x, i in pf)
+    assert sum("cannot pin" in str(w.message) for w in caught) == 1
+    assert pf.stats.slot_batches == 48 and pf.stats.staged_bytes > 0 and not pf._slots._registered

@@ -205,6 +205,25 @@ def test_a_broken_off_epoch_frees_its_slots_for_the_next():
     pf.close()
 
 
+class Shards(torch.utils.data.IterableDataset):
+    """Rows 0..39, each worker yielding every ``num_workers``-th."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        for i in range(info.id, 40, info.num_workers):
+            yield torch.full((1000,), float(i)), i
+
+
+def test_an_iterable_dataset_s_workers_collate_into_slots():
+    pf = CudaPrefetcher(DataLoader(Shards(), batch_size=5, num_workers=2), device="cpu", worker_slots=True)
+    for _ in range(2):
+        got = [(x, i) for x, i in pf]
+        assert sorted(int(v) for _, i in got for v in i) == list(range(40))
+        assert all(torch.equal(x, i[:, None].float().expand(-1, 1000)) for x, i in got)
+    assert pf.stats.slot_batches == 16
+    pf.close()
+
+
 def test_worker_slots_needs_a_dataloader_with_workers():
     with pytest.raises(ValueError, match=r"worker_slots=True.*list"):
         CudaPrefetcher([torch.ones(2)], device="cpu", worker_slots=True)
