@@ -5,6 +5,7 @@ import collections
 import time
 import types
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -222,6 +223,42 @@ def test_an_iterable_dataset_s_workers_collate_into_slots():
         assert all(torch.equal(x, i[:, None].float().expand(-1, 1000)) for x, i in got)
     assert pf.stats.slot_batches == 16
     pf.close()
+
+
+def test_numpy_samples_and_a_collate_fn_of_ones_own_cross_in_slots():
+    arrays = [np.full((3, 4), i, dtype=np.int16) for i in range(12)]
+    pf = CudaPrefetcher(DataLoader(arrays, batch_size=4, num_workers=2), device="cpu", worker_slots=True)
+    got = list(pf)
+    assert [b.dtype for b in got] == [torch.int16] * 3 and [int(b[0, 0, 0]) for b in got] == [0, 4, 8]
+    assert torch.equal(got[2], torch.from_numpy(np.stack(arrays[8:])))
+    pf.close()
+    twice = DataLoader(list(range(12)), batch_size=4, num_workers=2, collate_fn=lambda r: torch.tensor(r) * 2)
+    pf = CudaPrefetcher(twice, device="cpu", worker_slots=True)
+    assert [b.tolist() for b in pf] == [[0, 2, 4, 6], [8, 10, 12, 14], [16, 18, 20, 22]]
+    assert pf.stats.slot_batches == 3
+    pf.close()
+
+
+class Ragged(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.zeros(3 if i == 5 else 2)
+
+
+def test_samples_of_two_shapes_raise_what_the_dataloader_raises():
+    def error(worker_slots):
+        pf = CudaPrefetcher(DataLoader(Ragged(), batch_size=4, num_workers=1), device="cpu",
+                            worker_slots=worker_slots)
+        got = []
+        with pytest.raises(RuntimeError) as caught:
+            got.extend(b.shape for b in pf)
+        pf.close()
+        return got, str(caught.value).splitlines()[-1]
+
+    assert error(True) == error(False) == ([torch.Size([4, 2])], error(False)[1])
+    assert "stack expects each tensor to be equal size" in error(True)[1]
 
 
 def test_worker_slots_needs_a_dataloader_with_workers():

@@ -18,10 +18,11 @@ import torch
 Rebuild = Callable[[Sequence[Any]], Any]
 
 
-def flatten(batch: Any, leaf: type = torch.Tensor) -> tuple[list[Any], Rebuild]:
+def flatten(batch: Any, leaf: type | tuple[type, ...] = torch.Tensor) -> tuple[list[Any], Rebuild]:
     """Return the batch's tensors (numpy arrays converted, zero-copy) and a function that rebuilds it.
 
-    With ``leaf``, the objects of that type are the leaves instead (and numpy arrays pass through).
+    With ``leaf``, the objects of that type (or types) are the leaves instead (and numpy arrays pass
+    through).
 
     Example:
         >>> leaves, rebuild = flatten({"x": torch.ones(2), "n": 3})
@@ -41,7 +42,7 @@ def flatten(batch: Any, leaf: type = torch.Tensor) -> tuple[list[Any], Rebuild]:
     return leaves, build
 
 
-def _compile(obj: Any, leaves: list[Any], leaf: type) -> Rebuild:
+def _compile(obj: Any, leaves: list[Any], leaf: Any) -> Rebuild:
     if isinstance(obj, leaf):
         return _leaf(obj, leaves)
     if leaf is torch.Tensor and isinstance(obj, np.ndarray) and obj.dtype != object:
@@ -69,7 +70,7 @@ def _leaf(tensor: Any, leaves: list[Any]) -> Rebuild:
     return lambda new: new[i]
 
 
-def _compile_mapping(obj: Mapping, leaves: list[Any], leaf: type) -> Rebuild:
+def _compile_mapping(obj: Mapping, leaves: list[Any], leaf: Any) -> Rebuild:
     keys = list(obj.keys())
     parts = [_compile(obj[k], leaves, leaf) for k in keys]
     cls = type(obj)
@@ -93,7 +94,7 @@ def _rebuild_sequence(original: Sequence, items: list[Any]) -> Any:
         return list(items)
 
 
-def _compile_dataclass(obj: Any, leaves: list[Any], leaf: type) -> Rebuild:
+def _compile_dataclass(obj: Any, leaves: list[Any], leaf: Any) -> Rebuild:
     names = [f.name for f in dataclasses.fields(obj) if f.init]
     parts = [_compile(getattr(obj, n), leaves, leaf) for n in names]
 
