@@ -23,7 +23,8 @@ untimed steps, then ``--steps`` timed ones:
 * ``data_prefetcher``: NVIDIA apex's one-ahead ``data_prefetcher`` over the pinned loader.
 * ``tnt``: torchtnt's ``CudaDataPrefetcher`` over the pinned loader, 2 batches ahead.
 * ``spdl``: SPDL's transfer thread over the unpinned loader (pin + copy on its own stream).
-* ``gpufeed_unpinned`` / ``gpufeed_pinned``: ``CudaPrefetcher`` over the loader with ``pin_memory`` off / on.
+* ``gpufeed_unpinned`` / ``gpufeed_pinned``: ``CudaPrefetcher`` over the loader with ``pin_memory`` off / on
+  (its workers collate into gpufeed's pinned slots, ``worker_slots``'s default on CUDA).
 
 Each row: ``steps_per_s`` and ``share_of_ideal`` (its steps/s over the ideal's).
 """
