@@ -89,6 +89,21 @@ def test_every_structure_is_rebuilt_with_its_types(device):
     assert got["noncontig"].shape == (4, 3)
 
 
+def test_mutable_mappings_keep_what_they_hold_beside_their_items(device):
+    """A copy of the mapping with its values moved, as torch's pin_memory and default_collate rebuild it."""
+    dd = collections.defaultdict(list, x=torch.ones(2))
+    chain = collections.ChainMap({"a": torch.zeros(1)}, {"b": torch.ones(1), "a": torch.ones(3)})
+    counts = collections.Counter(z=torch.tensor(3))
+    with CudaPrefetcher([{"dd": dd, "chain": chain, "counts": counts}], device=device) as pf:
+        (got,) = list(pf)
+    assert type(got["dd"]) is collections.defaultdict and got["dd"].default_factory is list
+    assert got["dd"]["x"].device.type == device.type and got["dd"]["missing"] == []
+    assert type(got["chain"]) is collections.ChainMap and sorted(got["chain"]) == ["a", "b"]
+    assert got["chain"]["a"].shape == (1,) and got["chain"]["b"].device.type == device.type
+    assert type(got["counts"]) is collections.Counter and int(got["counts"]["z"]) == 3
+    assert dd["x"].device.type == "cpu"  # the loader's own mapping is left as it was
+
+
 def test_plain_tensors_and_scalars_pass(device):
     data = [torch.arange(3), 5, "text", None]
     with CudaPrefetcher(data, device=device) as pf:

@@ -261,6 +261,42 @@ def test_samples_of_two_shapes_raise_what_the_dataloader_raises():
     assert "stack expects each tensor to be equal size" in error(True)[1]
 
 
+class Odd(Dataset):
+    """Samples default_collate collates in ways a slot must follow: an empty first field and a ragged one
+    (must raise), a deque (a container the prefetcher does not look into), a ChainMap."""
+
+    def __init__(self, kind):
+        self.kind = kind
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        if self.kind == "empty first":
+            return torch.zeros(0 if i == 0 else 2, 4)
+        if self.kind == "deque":
+            return collections.deque([torch.full((2,), float(i)), i])
+        return collections.ChainMap({"a": torch.full((2,), float(i))}, {"b": i})
+
+
+@pytest.mark.parametrize("kind", ["empty first", "deque", "chain"])
+def test_a_slot_s_batch_is_what_the_dataloader_gives_or_raises(kind):
+    def outcome(worker_slots):
+        pf = CudaPrefetcher(DataLoader(Odd(kind), batch_size=4, num_workers=1), device="cpu",
+                            worker_slots=worker_slots)
+        try:
+            (b,) = list(pf)
+        except RuntimeError as exc:
+            return "raised", str(exc).splitlines()[-1]
+        finally:
+            pf.close()
+        if isinstance(b, collections.deque):
+            return type(b), [t.tolist() for t in b]
+        return type(b), {k: b[k].tolist() for k in sorted(b)}
+
+    assert outcome(True) == outcome(False)
+
+
 def test_worker_slots_needs_a_dataloader_with_workers():
     with pytest.raises(ValueError, match=r"worker_slots=True.*list"):
         CudaPrefetcher([torch.ones(2)], device="cpu", worker_slots=True)

@@ -7,8 +7,9 @@ same dataclass, an OrderedDict an OrderedDict.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -79,8 +80,16 @@ def _compile_mapping(obj: Mapping, leaves: list[Any], leaf: Any) -> Rebuild:
 
     def rebuild(new: Sequence[Any]) -> Any:
         items = [(k, p(new)) for k, p in zip(keys, parts, strict=True)]
+        if isinstance(obj, MutableMapping):  # a copy keeps what the type holds beside its items (as torch's
+            try:  # pin_memory and default_collate do): a defaultdict's factory, a ChainMap's maps
+                clone = copy.copy(obj)
+                for k, v in items:
+                    clone[k] = v
+                return clone
+            except TypeError:
+                pass
         try:
-            return cls(items)  # OrderedDict, defaultdict-less Mappings built from pairs
+            return cls(items)  # immutable Mappings built from pairs
         except TypeError:
             return dict(items)
 

@@ -13,6 +13,7 @@ slots), so each is pinned once in a prefetcher's life.
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from collections.abc import Callable
@@ -99,11 +100,17 @@ class SlotCollate:
             self._flags = self.state.numpy()
         if info is None or not self._flags[-1]:
             return self.collate_fn(samples)
-        if self.collate_fn is default_collate:  # its stacks go straight into the slot (see _Stack)
-            batch = collate(samples, collate_fn_map=_STACK_LATER)
+        stacks: list[_Stack] | None = None
+        tensor_rule = default_collate_fn_map.get(torch.Tensor)
+        if self.collate_fn is default_collate and tensor_rule is collate_tensor_fn:
+            stacks = []  # its stacks go straight into the slot (see _Stack)
+            batch = collate(samples, collate_fn_map={**default_collate_fn_map,  # (the map as it is now)
+                                                     torch.Tensor: functools.partial(_stack_later, stacks)})
         else:
             batch = self.collate_fn(samples)
         leaves, rebuild = flatten(batch, leaf=(torch.Tensor, _Stack))
+        if stacks is not None and sum(isinstance(t, _Stack) for t in leaves) != len(stacks):
+            return self.collate_fn(samples)  # a container flatten does not see into (a deque): as it is
         offsets, total = [], 0
         for t in leaves:
             offsets.append(total)
@@ -160,20 +167,22 @@ class _Stack:
         self.nbytes = len(tensors) * elem.nbytes
 
     def stack_into(self, out: torch.Tensor) -> None:
-        torch.stack(self.tensors, 0, out=out)  # (raises as default_collate would, on tensors of two shapes)
+        torch.stack(self.tensors, 0, out=out)
 
     def stacked(self) -> torch.Tensor:
         return collate_tensor_fn(self.tensors)
 
 
-def _stack_later(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> Any:
-    if _plain(batch[0]):
-        return _Stack(batch)
+def _stack_later(made: list[_Stack], batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> Any:
+    """``default_collate``'s rule for tensors, the stack put off (``_Stack``, noted in ``made``) where it
+    cannot fail: plain tensors of one shape and dtype, with bytes, none requiring grad. Any other batch is
+    collated now, so an error is raised where ``default_collate`` raises it."""
+    elem = batch[0]
+    if elem.nbytes and all(_plain(t) and t.shape == elem.shape and t.dtype == elem.dtype
+                           and not t.requires_grad for t in batch):
+        made.append(_Stack(batch))
+        return made[-1]
     return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
-
-
-#: ``default_collate``'s rules, but tensors are stacked later (``_Stack``).
-_STACK_LATER = {**default_collate_fn_map, torch.Tensor: _stack_later}
 
 
 def _plain(t: torch.Tensor) -> bool:
