@@ -100,17 +100,7 @@ class SlotCollate:
             self._flags = self.state.numpy()
         if info is None or not self._flags[-1]:
             return self.collate_fn(samples)
-        stacks: list[_Stack] | None = None
-        tensor_rule = default_collate_fn_map.get(torch.Tensor)
-        if self.collate_fn is default_collate and tensor_rule is collate_tensor_fn:
-            stacks = []  # its stacks go straight into the slot (see _Stack)
-            batch = collate(samples, collate_fn_map={**default_collate_fn_map,  # (the map as it is now)
-                                                     torch.Tensor: functools.partial(_stack_later, stacks)})
-        else:
-            batch = self.collate_fn(samples)
-        leaves, rebuild = flatten(batch, leaf=(torch.Tensor, _Stack))
-        if stacks is not None and sum(isinstance(t, _Stack) for t in leaves) != len(stacks):
-            return self.collate_fn(samples)  # a container flatten does not see into (a deque): as it is
+        leaves, rebuild = self._collate(samples)
         offsets, total = [], 0
         for t in leaves:
             offsets.append(total)
@@ -129,6 +119,19 @@ class SlotCollate:
                     view.copy_(t)
         specs = [_Leaf(off, t.dtype, tuple(t.shape)) for t, off in zip(leaves, offsets, strict=True)]
         return SlotBatch(sid, gen, rebuild(specs), None if self.installed[sid] == gen else slot)
+
+    def _collate(self, samples: Any) -> tuple[list[Any], Any]:
+        """The batch's leaves (tensors, and with ``default_collate`` the stacks put off: :class:`_Stack`)
+        and what rebuilds the batch around new ones."""
+        tensor_rule = default_collate_fn_map.get(torch.Tensor)
+        if self.collate_fn is default_collate and tensor_rule is collate_tensor_fn:
+            stacks: list[_Stack] = []  # (default_collate's map as it is now: types registered after import)
+            rules = {**default_collate_fn_map, torch.Tensor: functools.partial(_stack_later, stacks)}
+            leaves, rebuild = flatten(collate(samples, collate_fn_map=rules), leaf=(torch.Tensor, _Stack))
+            if sum(isinstance(t, _Stack) for t in leaves) == len(stacks):
+                return leaves, rebuild
+            # a stack inside a container flatten does not see into (a deque): collated again, as it is
+        return flatten(self.collate_fn(samples))
 
     def _take(self, worker: int, nbytes: int) -> int | None:
         """The number of a slot of at least ``nbytes`` of this worker, marked busy (made if need be)."""
@@ -178,8 +181,8 @@ def _stack_later(made: list[_Stack], batch: list[torch.Tensor], *, collate_fn_ma
     cannot fail: plain tensors of one shape and dtype, with bytes, none requiring grad. Any other batch is
     collated now, so an error is raised where ``default_collate`` raises it."""
     elem = batch[0]
-    if elem.nbytes and all(_plain(t) and t.shape == elem.shape and t.dtype == elem.dtype
-                           and not t.requires_grad for t in batch):
+    if _plain(elem) and elem.nbytes and all(_plain(t) and t.shape == elem.shape and t.dtype == elem.dtype
+                                            and not t.requires_grad for t in batch):
         made.append(_Stack(batch))
         return made[-1]
     return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
