@@ -326,12 +326,18 @@ def slot_collate(per_worker=1):
     return slots, slots.begin(loader)
 
 
+def opened(slots, sb):
+    """The batch of ``sb`` as the main process rebuilds it from its slot, and what releases the slot."""
+    views, rebuild, release = slots.open(sb)
+    return rebuild(views), release
+
+
 def test_a_worker_without_a_free_slot_sends_the_batch_as_it_is_and_reuses_a_released_one(in_worker):
     slots, collate = slot_collate(per_worker=1)
     rows = [{"x": torch.full((4,), 1.0)}, {"x": torch.full((4,), 2.0)}]
     first = collate(rows)
     assert isinstance(first, SlotBatch) and first.slot is not None  # a new slot crosses once
-    batch, release = slots.open(first)
+    batch, release = opened(slots, first)
     assert batch["x"].tolist() == [[1.0] * 4, [2.0] * 4]
     plain = collate(rows[::-1])  # the only slot is leased: the batch goes as the DataLoader would send it
     assert type(plain) is dict and plain["x"][0].tolist() == [2.0] * 4
@@ -339,18 +345,18 @@ def test_a_worker_without_a_free_slot_sends_the_batch_as_it_is_and_reuses_a_rele
     release()  # a second call does nothing
     again = collate(rows[::-1])
     assert isinstance(again, SlotBatch) and again.slot is None and again.sid == first.sid
-    assert slots.open(again)[0]["x"][0].tolist() == [2.0] * 4
+    assert opened(slots, again)[0]["x"][0].tolist() == [2.0] * 4
     assert batch["x"][0].tolist() == [2.0] * 4  # the same memory: why a slot is released only after its copy
 
 
 def test_a_free_slot_too_small_is_replaced(in_worker):
     slots, collate = slot_collate(per_worker=1)
     small = collate([torch.zeros(8)])
-    _, release = slots.open(small)
+    _, release = opened(slots, small)
     release()
     big = collate([torch.arange(SLOT_GRAIN // 4 + 1, dtype=torch.float32)])  # more than the slot holds
     assert big.sid == small.sid and big.slot is not None and big.slot.nbytes == 2 * SLOT_GRAIN
-    batch, _ = slots.open(big)
+    batch, _ = opened(slots, big)
     assert torch.equal(batch[0], torch.arange(SLOT_GRAIN // 4 + 1, dtype=torch.float32))
     assert slots._slots[big.sid] is big.slot
 

@@ -14,7 +14,7 @@ import torch
 from gpufeed import _nvtx
 from gpufeed._host_buffers import HostBuffers
 from gpufeed._tracing import TraceRecorder
-from gpufeed._tree import flatten
+from gpufeed._tree import Rebuild, flatten
 from gpufeed._worker_slots import SlotBatch, WorkerSlots
 from gpufeed.pinned_pool import PinnedPool
 from gpufeed.source_loader import ReadRequest
@@ -151,9 +151,9 @@ class Copier:
         elif isinstance(raw, SlotBatch):
             out = self._from_slot(raw)
         elif self.stream is None:
-            out = self._to_cpu(raw)
+            out = self._to_cpu(*flatten(raw))
         else:
-            out = self._to_cuda(raw)
+            out = self._to_cuda(*flatten(raw))
         if self.trace is not None:
             name = "read+copy" if request else "stage+copy"
             self.trace.add(name, int(t0 * 1e9), int(time.perf_counter() * 1e9), "gpufeed-fetch", batch=index)
@@ -166,28 +166,28 @@ class Copier:
 
     def _from_slot(self, sb: SlotBatch) -> Delivered:
         assert self.slots is not None  # a SlotBatch comes only from workers handed this prefetcher's slots
-        batch, release = self.slots.open(sb)
+        views, rebuild, release = self.slots.open(sb)
         try:
             if self.stream is None:
-                out = self._to_cpu(batch, copy=True)
+                out = self._to_cpu([t.clone() for t in views], rebuild)
                 release()
             else:
-                out = self._to_cuda(batch, release)
+                out = self._to_cuda(views, rebuild, release)
         except BaseException:  # the batch is never handed out: what its copies read no longer matters
             release()
             raise
         self.stats.add(slot_batches=1)
         return out
 
-    def _to_cpu(self, raw: Any, copy: bool = False) -> Delivered:
-        leaves, rebuild = flatten(raw)
-        moved = [t.clone() if copy else t if t.device.type == "cpu" else t.cpu() for t in leaves]
+    def _to_cpu(self, leaves: list[torch.Tensor], rebuild: Rebuild) -> Delivered:
+        moved = [t if t.device.type == "cpu" else t.cpu() for t in leaves]
         self.stats.add(bytes=sum(t.nbytes for t in moved))
         return self.seal(rebuild(moved), [], None)
 
-    def _to_cuda(self, raw: Any, release: Callable[[], None] | None = None) -> Delivered:
-        """Issue the batch's copies on the copy stream (current on this thread for its whole life)."""
-        leaves, rebuild = flatten(raw)
+    def _to_cuda(self, leaves: list[torch.Tensor], rebuild: Rebuild,
+                 release: Callable[[], None] | None = None) -> Delivered:
+        """Issue the copies of a batch's ``leaves`` on the copy stream (current on this thread for its whole
+        life); ``release`` frees the worker slot they are views of, once the copies completed."""
         out: list[Any] = list(leaves)
         fresh: list[torch.Tensor] = []
         read: list[torch.Tensor] = []  # pinned host tensors the copy engine reads

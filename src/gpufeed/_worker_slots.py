@@ -3,7 +3,7 @@
 A DataLoader worker hands each batch over in a fresh shared-memory segment, which the main process maps
 (a page fault per page) and, to copy it to the GPU without a stall, copies once more into pinned memory,
 192 MiB at a time for a ResNet batch: the loader's hand-over, not the link, then bounds the loop
-(docs/design.md, "A training loop: ResNet-18"). Here each worker copies its collated batch into a slot, a
+(docs/design.md, "A training loop: ResNet-18"). Here each worker collates its batch into a slot, a
 shared-memory buffer of its own that the main process registered with CUDA (``cudaHostRegister``) the
 first time it arrived. What crosses to the main process is the batch's structure and the slot's number:
 the main process copies nothing, and the copy engine reads the slot directly. The slots outlive the
@@ -14,6 +14,7 @@ slots), so each is pinned once in a prefetcher's life.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import warnings
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from torch.utils.data._utils.collate import (
     default_collate_fn_map,
 )
 
-from gpufeed._tree import flatten
+from gpufeed._tree import Rebuild, flatten
 from gpufeed.staging import aligned
 
 #: A new slot's size is the batch's bytes rounded up to a whole number of these, so that batches a little
@@ -47,10 +48,7 @@ class _Leaf:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass
@@ -156,9 +154,8 @@ class SlotCollate:
 
 class _Stack:
     """Tensors that ``default_collate`` stacks, stacked later: straight into a slot. In a worker,
-    ``default_collate`` stacks into a fresh shared-memory segment, whose pages fault in (and are zeroed) one
-    by one: 144-205 ms for a ResNet batch (64 x 3 x 512 x 512 float32) on one core of a 2-core machine,
-    where stacking into a slot whose pages are mapped already took 37 ms."""
+    ``default_collate`` stacks into a fresh shared-memory segment, whose pages fault in (zeroed) one by one;
+    a slot's pages are mapped already (docs/design.md, "A training loop: ResNet-18", has the figures)."""
 
     __slots__ = ("dtype", "nbytes", "shape", "tensors")
 
@@ -250,9 +247,10 @@ class WorkerSlots:
             if self._flags is not None:
                 self._flags[-1] = 0
 
-    def open(self, sb: SlotBatch) -> tuple[Any, Callable[[], None]]:
-        """The batch of ``sb``, its tensors views of its slot (pinned), and what releases the slot: called
-        once no copy reads it (a second call does nothing)."""
+    def open(self, sb: SlotBatch) -> tuple[list[torch.Tensor], Rebuild, Callable[[], None]]:
+        """The tensors of ``sb``'s batch as views of its slot (pinned), what rebuilds the batch around them
+        (or around their copies), and what releases the slot: called once no copy reads it (a second call
+        does nothing)."""
         with self._lock:
             if sb.slot is not None:
                 self._install(sb.sid, sb.slot)
@@ -271,7 +269,7 @@ class WorkerSlots:
 
         specs, rebuild = flatten(sb.batch, leaf=_Leaf)
         views = [slot[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in specs]
-        return rebuild(views), release
+        return views, rebuild, release
 
     def _release(self, sid: int) -> None:
         with self._lock:

@@ -47,7 +47,6 @@ class WrappedLoader:
         self.source = loader
         self.slots: WorkerSlots | None = None  # where a DataLoader's workers collate into (the prefetcher's)
         self._factory = loader if is_factory else None
-        self.is_factory = is_factory
         # An iterator (a generator) is used up by one epoch; its second epoch would be silently empty.
         self._one_shot = isinstance(loader, Iterator)
         self._iterated = False
@@ -56,6 +55,11 @@ class WrappedLoader:
         # A SourceLoader keeps the epochs: the prefetcher asks it for each iteration's, reads the epoch and
         # position it chose, and tells it when a batch of an epoch was handed out.
         self.source_loader: SourceLoader | None = loader if isinstance(loader, SourceLoader) else None
+
+    @property
+    def is_factory(self) -> bool:
+        """Whether the prefetcher wraps a callable that returns a fresh loader each epoch."""
+        return self._factory is not None
 
     def length(self) -> int:
         try:
@@ -139,9 +143,7 @@ def _collect_before_fork(loader: Any) -> None:
 def _forks_workers(loader: Any) -> bool:
     """Whether iterating ``loader`` forks worker processes now (a DataLoader whose workers start by fork,
     unless persistent ones run already)."""
-    import torch.utils.data
-
-    if not isinstance(loader, torch.utils.data.DataLoader) or loader.num_workers == 0:
+    if not has_workers(loader):
         return False
     if loader.persistent_workers and getattr(loader, "_iterator", None) is not None:
         return False
