@@ -91,11 +91,12 @@ class SlotCollate:
         self._mine: dict[int, torch.Tensor] | None = None  # in a worker: its slots, from its first batch
         self._gens: dict[int, int] = {}  # in a worker: the generation of each of its slots
         self._flags: Any = None  # in a worker: ``state`` as numpy (an element read costs no torch call)
+        self._installed: Any = None  # in a worker: ``installed`` as numpy
 
     def __call__(self, samples: Any) -> Any:
         info = torch.utils.data.get_worker_info()
         if self._flags is None:
-            self._flags = self.state.numpy()
+            self._flags, self._installed = self.state.numpy(), self.installed.numpy()
         if info is None or not self._flags[-1]:
             return self.collate_fn(samples)
         leaves, rebuild = self._collate(samples)
@@ -116,7 +117,7 @@ class SlotCollate:
                 else:
                     view.copy_(t)
         specs = [_Leaf(off, t.dtype, tuple(t.shape)) for t, off in zip(leaves, offsets, strict=True)]
-        return SlotBatch(sid, gen, rebuild(specs), None if self.installed[sid] == gen else slot)
+        return SlotBatch(sid, gen, rebuild(specs), None if self._installed[sid] == gen else slot)
 
     def _collate(self, samples: Any) -> tuple[list[Any], Any]:
         """The batch's leaves (tensors, and with ``default_collate`` the stacks put off: :class:`_Stack`)
@@ -136,7 +137,7 @@ class SlotCollate:
         numbers = range(worker * self.per_worker, (worker + 1) * self.per_worker)
         if self._mine is None:
             self._mine = {i: self.slots[i] for i in numbers if i in self.slots}
-            self._gens = {i: int(self.installed[i]) for i in self._mine}
+            self._gens = {i: int(self._installed[i]) for i in self._mine}
         state, mine = self._flags, self._mine
         for i in numbers:
             if i in mine and state[i] == FREE and mine[i].numel() >= nbytes:
@@ -146,7 +147,7 @@ class SlotCollate:
         too_small = [i for i in numbers if i in mine and state[i] == FREE]
         for i in unused + too_small:
             mine[i] = torch.empty(-(-nbytes // SLOT_GRAIN) * SLOT_GRAIN, dtype=torch.uint8).share_memory_()
-            self._gens[i] = max(self._gens.get(i, 0), int(self.installed[i])) + 1
+            self._gens[i] = max(self._gens.get(i, 0), int(self._installed[i])) + 1
             state[i] = BUSY
             return i
         return None
@@ -209,7 +210,8 @@ class WorkerSlots:
         self._leased: set[int] = set()
         self._state: torch.Tensor | None = None
         self._flags: Any = None  # ``_state`` as numpy
-        self._installed: torch.Tensor | None = None  # the generation of each slot installed here
+        self._installed: torch.Tensor | None = None  # the generation of each slot installed here (shared)
+        self._gens: Any = None  # ``_installed`` as numpy: read on every batch, without a torch call
         self._open = False  # an iteration's workers hold the slots
         self._registered: set[int] = set()  # the addresses of the slots registered with CUDA
         self._per_worker = 0
@@ -231,6 +233,7 @@ class WorkerSlots:
                 self._state = torch.zeros(size + 1, dtype=torch.int8).share_memory_()
                 self._flags = self._state.numpy()
                 self._installed = torch.zeros(size, dtype=torch.int64).share_memory_()
+                self._gens = self._installed.numpy()
                 self._per_worker = per_worker
             for i in range(size):  # a batch of a stopped iteration never arrives: its slot is free again
                 if i not in self._leased:
@@ -254,8 +257,8 @@ class WorkerSlots:
         with self._lock:
             if sb.slot is not None:
                 self._install(sb.sid, sb.slot)
-                self._installed[sb.sid] = sb.gen
-            elif int(self._installed[sb.sid]) != sb.gen:  # (the generations above make this unreachable)
+                self._gens[sb.sid] = sb.gen
+            elif self._gens[sb.sid] != sb.gen:  # (the generations above make this unreachable)
                 raise RuntimeError(f"gpufeed: worker slot {sb.sid} generation {sb.gen} was never installed")
             slot = self._slots[sb.sid]
             self._leased.add(sb.sid)
