@@ -98,6 +98,18 @@ def test_new_workers_are_handed_the_slots_of_the_epoch_before():
     pf.close()
 
 
+def test_each_worker_s_slots_are_installed_with_its_first_batch():
+    ds = Items(72)
+    pf = CudaPrefetcher(DataLoader(ds, batch_size=4, num_workers=3), device="cpu", depth=1, worker_slots=True)
+    it = iter(pf)
+    firsts = [next(it) for _ in range(3)]  # one from each worker
+    assert [b["i"].tolist()[0] for b in firsts] == [0, 4, 8]
+    assert len(pf._slots._slots) == 3 * 3  # 2 queued a worker, and its share of the prefetcher's 3
+    assert [b["i"].tolist()[0] for b in it] == list(range(12, 72, 4))
+    assert pf.stats.slot_batches == 18
+    pf.close()
+
+
 def test_persistent_workers_send_plain_batches_when_the_loader_is_iterated_without_the_prefetcher():
     ds = Items(24)
     loader = DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True)
@@ -336,7 +348,7 @@ def test_a_worker_without_a_free_slot_sends_the_batch_as_it_is_and_reuses_a_rele
     slots, collate = slot_collate(per_worker=1)
     rows = [{"x": torch.full((4,), 1.0)}, {"x": torch.full((4,), 2.0)}]
     first = collate(rows)
-    assert isinstance(first, SlotBatch) and first.slot is not None  # a new slot crosses once
+    assert isinstance(first, SlotBatch) and list(first.new) == [first.sid]  # a new slot crosses once
     batch, release = opened(slots, first)
     assert batch["x"].tolist() == [[1.0] * 4, [2.0] * 4]
     plain = collate(rows[::-1])  # the only slot is leased: the batch goes as the DataLoader would send it
@@ -344,7 +356,7 @@ def test_a_worker_without_a_free_slot_sends_the_batch_as_it_is_and_reuses_a_rele
     release()
     release()  # a second call does nothing
     again = collate(rows[::-1])
-    assert isinstance(again, SlotBatch) and again.slot is None and again.sid == first.sid
+    assert isinstance(again, SlotBatch) and again.new == {} and again.sid == first.sid
     assert opened(slots, again)[0]["x"][0].tolist() == [2.0] * 4
     assert batch["x"][0].tolist() == [2.0] * 4  # the same memory: why a slot is released only after its copy
 
@@ -355,10 +367,33 @@ def test_a_free_slot_too_small_is_replaced(in_worker):
     _, release = opened(slots, small)
     release()
     big = collate([torch.arange(SLOT_GRAIN // 4 + 1, dtype=torch.float32)])  # more than the slot holds
-    assert big.sid == small.sid and big.slot is not None and big.slot.nbytes == 2 * SLOT_GRAIN
+    assert big.sid == small.sid and list(big.new) == [big.sid]
+    gen, slot = big.new[big.sid]
+    assert gen == small.gen + 1 and slot.nbytes == 2 * SLOT_GRAIN
     batch, _ = opened(slots, big)
     assert torch.equal(batch[0], torch.arange(SLOT_GRAIN // 4 + 1, dtype=torch.float32))
-    assert slots._slots[big.sid] is big.slot
+    assert slots._slots[big.sid] is slot
+
+
+def test_a_worker_makes_the_slots_the_pipeline_holds_at_its_first_batch(in_worker):
+    """Made with the first batch and installed with it (each is registered with CUDA there), so none is
+    made mid-epoch; a batch that brings slots the main process already has installs nothing."""
+    slots = WorkerSlots(pin=False, depth=2)
+    loader = types.SimpleNamespace(prefetch_factor=2, num_workers=4, collate_fn=default_collate)
+    collate = slots.begin(loader)
+    assert collate.ahead == 3  # 2 queued, and its share of the 4 batches the prefetcher holds (depth + 2)
+    first = collate([torch.full((4,), 1.0)])
+    assert sorted(first.new) == [0, 1, 2] and first.sid == 0
+    assert opened(slots, first)[0][0].tolist() == [1.0] * 4
+    assert sorted(slots._slots) == [0, 1, 2]
+    made = {i: s for i, s in slots._slots.items()}
+    second = collate([torch.full((4,), 2.0)])  # slot 0 is leased: the next one, made already
+    assert second.sid == 1 and second.new == {}
+    assert opened(slots, second)[0][0].tolist() == [2.0] * 4
+    stale = SlotBatch(1, second.gen, second.batch, {0: (first.gen - 1, torch.zeros(8, dtype=torch.uint8)),
+                                                     2: first.new[2]})
+    assert opened(slots, stale)[0][0].tolist() == [2.0] * 4
+    assert slots._slots == made  # an older generation, or the one installed, changes nothing
 
 
 def test_slots_go_to_the_workers_of_one_iteration_at_a_time():

@@ -6,9 +6,11 @@ A DataLoader worker hands each batch over in a fresh shared-memory segment, whic
 (docs/design.md, "A training loop: ResNet-18"). Here each worker collates its batch into a slot, a
 shared-memory buffer of its own that the main process registered with CUDA (``cudaHostRegister``) the
 first time it arrived. What crosses to the main process is the batch's structure and the slot's number:
-the main process copies nothing, and the copy engine reads the slot directly. The slots outlive the
-workers (a DataLoader without persistent workers starts new ones each epoch, and they are handed the same
-slots), so each is pinned once in a prefetcher's life.
+the main process copies nothing, and the copy engine reads the slot directly. A worker makes, at its first
+batch, as many slots as the pipeline holds of its batches, so that their registrations (milliseconds
+each) fall in the epoch's start-up, not in the middle of training. The slots outlive the workers (a
+DataLoader without persistent workers starts new ones each epoch, and they are handed the same slots), so
+each is pinned once in a prefetcher's life.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import math
 import threading
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -54,13 +56,14 @@ class _Leaf:
 @dataclass
 class SlotBatch:
     """What a worker sends instead of a batch: the batch with each tensor replaced by a :class:`_Leaf`, the
-    number and generation of the slot that holds the tensors' bytes, and the slot itself while the main
-    process has not installed that generation (its memory crosses as a shared-memory handle)."""
+    number and generation of the slot that holds the tensors' bytes, and the worker's slots whose
+    generation the main process has not installed, by number: ``(generation, slot)``, the slot's memory
+    crossing as a shared-memory handle."""
 
     sid: int
     gen: int
     batch: Any
-    slot: torch.Tensor | None = None
+    new: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 class SlotCollate:
@@ -72,22 +75,27 @@ class SlotCollate:
     memory) says which are busy: a worker marks a slot busy before it writes it, the main process marks it
     free once the copy that read it completed. A worker with no free slot that fits makes one (in a number
     it does not use yet, or in place of a free one too small); with none free it sends the batch as the
-    DataLoader would, so a batch never waits for a slot. ``state[-1]`` is 1 while a prefetcher iterates the
-    loader: persistent workers send plain batches to anyone who iterates the loader after it.
+    DataLoader would, so a batch never waits for a slot. A worker that makes a slot makes, beside it, free
+    ones of the same size until it has ``ahead`` slots that fit (the batches of its own that the pipeline
+    holds at once): the main process registers them all with that first batch. ``state[-1]`` is 1 while a
+    prefetcher iterates the loader: persistent workers send plain batches to anyone who iterates the
+    loader after it.
 
     Each slot number has a generation, raised each time a worker makes a new slot there; ``installed``
-    (shared) holds the generation the main process installed, and a worker sends the slot itself with
-    every batch until the two agree: a batch that carried a new slot and was dropped (a persistent
-    DataLoader discards the batches of a broken-off epoch) is never taken to have installed it.
+    (shared) holds the generation the main process installed, and a worker sends each of its slots whose
+    generation is not installed with every batch, until it is: a batch that carried a new slot and was
+    dropped (a persistent DataLoader discards the batches of a broken-off epoch) is never taken to have
+    installed it, and the main process installs a generation only over an older one.
     """
 
     def __init__(self, collate_fn: Any, state: torch.Tensor, installed: torch.Tensor,
-                 slots: dict[int, torch.Tensor], per_worker: int) -> None:
+                 slots: dict[int, torch.Tensor], per_worker: int, ahead: int = 1) -> None:
         self.collate_fn = collate_fn
         self.state = state
         self.installed = installed
         self.slots = slots
         self.per_worker = per_worker
+        self.ahead = ahead
         self._mine: dict[int, torch.Tensor] | None = None  # in a worker: its slots, from its first batch
         self._gens: dict[int, int] = {}  # in a worker: the generation of each of its slots
         self._flags: Any = None  # in a worker: ``state`` as numpy (an element read costs no torch call)
@@ -117,7 +125,9 @@ class SlotCollate:
                 else:
                     view.copy_(t)
         specs = [_Leaf(off, t.dtype, tuple(t.shape)) for t, off in zip(leaves, offsets, strict=True)]
-        return SlotBatch(sid, gen, rebuild(specs), None if self._installed[sid] == gen else slot)
+        installed, gens = self._installed, self._gens
+        new = {i: (gens[i], s) for i, s in self._mine.items() if installed[i] != gens[i]}
+        return SlotBatch(sid, gen, rebuild(specs), new)
 
     def _collate(self, samples: Any) -> tuple[list[Any], Any]:
         """The batch's leaves (tensors, and with ``default_collate`` the stacks put off: :class:`_Stack`)
@@ -133,7 +143,8 @@ class SlotCollate:
         return flatten(self.collate_fn(samples))
 
     def _take(self, worker: int, nbytes: int) -> int | None:
-        """The number of a slot of at least ``nbytes`` of this worker, marked busy (made if need be)."""
+        """The number of a slot of at least ``nbytes`` of this worker, marked busy (made if need be, with
+        free ones beside it up to ``ahead`` that fit)."""
         numbers = range(worker * self.per_worker, (worker + 1) * self.per_worker)
         if self._mine is None:
             self._mine = {i: self.slots[i] for i in numbers if i in self.slots}
@@ -144,13 +155,17 @@ class SlotCollate:
                 state[i] = BUSY
                 return i
         unused = [i for i in numbers if i not in mine]
-        too_small = [i for i in numbers if i in mine and state[i] == FREE]
-        for i in unused + too_small:
+        too_small = [i for i in numbers if i in mine and state[i] == FREE]  # (none free fits)
+        fitting = sum(s.numel() >= nbytes for s in mine.values())
+        made = (unused + too_small)[: max(1, self.ahead - fitting)]
+        for i in made:
             mine[i] = torch.empty(-(-nbytes // SLOT_GRAIN) * SLOT_GRAIN, dtype=torch.uint8).share_memory_()
             self._gens[i] = max(self._gens.get(i, 0), int(self._installed[i])) + 1
-            state[i] = BUSY
-            return i
-        return None
+            state[i] = FREE
+        if not made:
+            return None
+        state[made[0]] = BUSY
+        return made[0]
 
 
 class _Stack:
@@ -204,8 +219,9 @@ class WorkerSlots:
     before the slot is released.
     """
 
-    def __init__(self, pin: bool) -> None:
+    def __init__(self, pin: bool, depth: int = 1) -> None:
         self.pin = pin
+        self.depth = depth  # the prefetcher's: batches it holds ahead of the loop
         self._slots: dict[int, torch.Tensor] = {}
         self._leased: set[int] = set()
         self._state: torch.Tensor | None = None
@@ -221,8 +237,12 @@ class WorkerSlots:
         """The collate function for the workers of an iteration of ``loader`` about to start, or None where
         slots cannot be handed out: the workers of an earlier iteration may still run (its fetch thread
         outlived its stop), or the loader's workers changed while slots were in use."""
-        per_worker = (loader.prefetch_factor or 2) + 2  # a worker's queued batches, and two being copied
+        prefetch = loader.prefetch_factor or 2
+        per_worker = prefetch + 2  # a worker's queued batches, and two being copied
         size = loader.num_workers * per_worker
+        # Made at a worker's first batch: its queued batches, and its share of those the prefetcher holds
+        # (``depth`` ahead, the one being fetched and the one whose copy the loop's batch is).
+        ahead = min(per_worker, prefetch + -(-(self.depth + 2) // loader.num_workers))
         with self._lock:
             if self._open:
                 return None
@@ -240,7 +260,8 @@ class WorkerSlots:
                     self._flags[i] = FREE
             self._flags[-1] = 1
             self._open = True
-            return SlotCollate(loader.collate_fn, self._state, self._installed, dict(self._slots), per_worker)
+            return SlotCollate(loader.collate_fn, self._state, self._installed, dict(self._slots), per_worker,
+                               ahead)
 
     def end(self) -> None:
         """The iteration ended and its workers shut down (persistent ones send plain batches until the
@@ -255,10 +276,11 @@ class WorkerSlots:
         (or around their copies), and what releases the slot: called once no copy reads it (a second call
         does nothing)."""
         with self._lock:
-            if sb.slot is not None:
-                self._install(sb.sid, sb.slot)
-                self._gens[sb.sid] = sb.gen
-            elif self._gens[sb.sid] != sb.gen:  # (the generations above make this unreachable)
+            for sid, (gen, slot) in sb.new.items():
+                if gen > self._gens[sid]:  # (a batch taken out of order may carry an older one)
+                    self._install(sid, slot)
+                    self._gens[sid] = gen
+            if self._gens[sb.sid] != sb.gen:  # (the generations above make this unreachable)
                 raise RuntimeError(f"gpufeed: worker slot {sb.sid} generation {sb.gen} was never installed")
             slot = self._slots[sb.sid]
             self._leased.add(sb.sid)

@@ -143,7 +143,7 @@ class CudaPrefetcher:
                 f"{type(source).__name__} only pinned_budget=0 applies (no pinned staging): its batches "
                 "are pinned in torch's caching host allocator, which has no budget of its own")
         self._cuda = self.device.type == "cuda"
-        self._slots = _worker_slots(worker_slots, source, self._loader, self._cuda, pinned_budget)
+        self._slots = _worker_slots(worker_slots, source, self._loader, self._cuda, pinned_budget, depth)
         self._loader.slots = self._slots
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         budget = DEFAULT_PINNED_BUDGET if pinned_budget is None else int(pinned_budget)
@@ -567,11 +567,12 @@ def _stop_epoch(stop: threading.Event, deliveries: Iterator[Delivered], fetcher:
 
 
 def _worker_slots(asked: bool | None, source: Any, loader: WrappedLoader, cuda: bool,
-                  pinned_budget: int | None) -> WorkerSlots | None:
+                  pinned_budget: int | None, depth: int) -> WorkerSlots | None:
     """The slots a DataLoader's workers collate into, where ``worker_slots`` asks for them (see
     :class:`CudaPrefetcher`)."""
     if asked is None:
-        return WorkerSlots(pin=True) if cuda and pinned_budget != 0 and loader.source_loader is None else None
+        wanted = cuda and pinned_budget != 0 and loader.source_loader is None
+        return WorkerSlots(pin=True, depth=depth) if wanted else None
     if not asked:
         return None
     if not (has_workers(source) or loader.is_factory):
@@ -581,7 +582,7 @@ def _worker_slots(asked: bool | None, source: Any, loader: WrappedLoader, cuda: 
     if cuda and pinned_budget == 0:
         raise ValueError("worker_slots=True pins the workers' shared buffers, and pinned_budget=0 turns "
                          "pinning off: pass one of them")
-    return WorkerSlots(pin=cuda)
+    return WorkerSlots(pin=cuda, depth=depth)
 
 
 def _resolve_device(device: torch.device | str | int | None) -> torch.device:
