@@ -2,6 +2,7 @@
 same protocol as on CUDA, where the batch is copied out of its slot instead of to the device."""
 
 import collections
+import itertools
 import time
 import types
 
@@ -107,6 +108,24 @@ def test_each_worker_s_slots_are_installed_with_its_first_batch():
     assert len(pf._slots._slots) == 3 * 3  # 2 queued a worker, and its share of the prefetcher's 3
     assert [b["i"].tolist()[0] for b in it] == list(range(12, 72, 4))
     assert pf.stats.slot_batches == 18
+    pf.close()
+
+
+def test_the_persistent_workers_of_two_loaders_taken_in_turn_never_read_each_other_s_slots():
+    """Each loader's workers keep their own record of the slots; those of the loader not iterated now are
+    turned off (they send plain batches), so none writes a slot the other's workers replaced."""
+    ds = Items(48)
+    loaders = [DataLoader(ds, batch_size=4 + 6 * k, num_workers=2, persistent_workers=True) for k in range(2)]
+    turn = itertools.cycle(loaders)
+    pf = CudaPrefetcher(lambda: next(turn), device="cpu", worker_slots=True)
+    for epoch in range(6):
+        loader = loaders[epoch % 2]
+        want = list(loader.batch_sampler)
+        got = list(pf)
+        assert len(got) == len(want), epoch
+        for batch, idx in zip(got, want, strict=True):
+            assert_same(batch, default_collate([ds[i] for i in idx]))
+    assert pf.stats.slot_batches >= len(loaders[0]) + len(loaders[1])  # the first epoch of each, at least
     pf.close()
 
 
@@ -332,9 +351,13 @@ def in_worker(monkeypatch):
     monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: info)
 
 
+class Loader(types.SimpleNamespace):
+    """What ``WorkerSlots.begin`` reads of a DataLoader (and, as a DataLoader, weakly referable)."""
+
+
 def slot_collate(per_worker=1):
     slots = WorkerSlots(pin=False)
-    loader = types.SimpleNamespace(prefetch_factor=per_worker - 2, num_workers=1, collate_fn=default_collate)
+    loader = Loader(prefetch_factor=per_worker - 2, num_workers=1, collate_fn=default_collate)
     return slots, slots.begin(loader)
 
 
@@ -379,7 +402,7 @@ def test_a_worker_makes_the_slots_the_pipeline_holds_at_its_first_batch(in_worke
     """Made with the first batch and installed with it (each is registered with CUDA there), so none is
     made mid-epoch; a batch that brings slots the main process already has installs nothing."""
     slots = WorkerSlots(pin=False, depth=2)
-    loader = types.SimpleNamespace(prefetch_factor=2, num_workers=4, collate_fn=default_collate)
+    loader = Loader(prefetch_factor=2, num_workers=4, collate_fn=default_collate)
     collate = slots.begin(loader)
     assert collate.ahead == 3  # 2 queued, and its share of the 4 batches the prefetcher holds (depth + 2)
     first = collate([torch.full((4,), 1.0)])
@@ -390,17 +413,18 @@ def test_a_worker_makes_the_slots_the_pipeline_holds_at_its_first_batch(in_worke
     second = collate([torch.full((4,), 2.0)])  # slot 0 is leased: the next one, made already
     assert second.sid == 1 and second.new == {}
     assert opened(slots, second)[0][0].tolist() == [2.0] * 4
-    stale = SlotBatch(1, second.gen, second.batch, {0: (first.gen - 1, torch.zeros(8, dtype=torch.uint8)),
-                                                     2: first.new[2]})
+    other = torch.zeros(SLOT_GRAIN, dtype=torch.uint8)
+    stale = SlotBatch(1, second.gen, second.batch, {0: (first.gen - 1, other), 2: (first.new[2][0], other)})
     assert opened(slots, stale)[0][0].tolist() == [2.0] * 4
-    assert slots._slots == made  # an older generation, or the one installed, changes nothing
+    assert all(slots._slots[i] is s for i, s in made.items())  # an older generation, or the one installed,
+    # changes nothing (on CUDA, installing again would unregister a slot a copy may read)
 
 
 def test_slots_go_to_the_workers_of_one_iteration_at_a_time():
     """An earlier iteration not ended (its fetch thread outlived its stop, so its workers may still write):
     the next iteration's workers get no slots, and send plain batches."""
     slots, collate = slot_collate(per_worker=3)
-    loader = types.SimpleNamespace(prefetch_factor=1, num_workers=1, collate_fn=default_collate)
+    loader = Loader(prefetch_factor=1, num_workers=1, collate_fn=default_collate)
     assert collate is not None and slots.begin(loader) is None
     slots.end()
     assert slots.begin(loader) is not None

@@ -19,6 +19,7 @@ import functools
 import math
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,8 +77,9 @@ class SlotCollate:
     free once the copy that read it completed. A worker with no free slot that fits makes one (in a number
     it does not use yet, or in place of a free one too small); with none free it sends the batch as the
     DataLoader would, so a batch never waits for a slot. A worker that makes a slot makes, beside it, free
-    ones of the same size until it has ``ahead`` slots that fit (the batches of its own that the pipeline
-    holds at once): the main process registers them all with that first batch. ``state[-1]`` is 1 while a
+    ones of the same size in numbers it does not use yet, until it has ``ahead`` slots that fit (the
+    batches of its own that the pipeline holds at once): the main process registers them all with that
+    first batch. ``state[-1]`` is 1 while a
     prefetcher iterates the loader: persistent workers send plain batches to anyone who iterates the
     loader after it.
 
@@ -157,7 +159,7 @@ class SlotCollate:
         unused = [i for i in numbers if i not in mine]
         too_small = [i for i in numbers if i in mine and state[i] == FREE]  # (none free fits)
         fitting = sum(s.numel() >= nbytes for s in mine.values())
-        made = (unused + too_small)[: max(1, self.ahead - fitting)]
+        made = unused[: max(1, self.ahead - fitting)] or too_small[:1]  # (a larger batch: one at a time)
         for i in made:
             mine[i] = torch.empty(-(-nbytes // SLOT_GRAIN) * SLOT_GRAIN, dtype=torch.uint8).share_memory_()
             self._gens[i] = max(self._gens.get(i, 0), int(self._installed[i])) + 1
@@ -214,7 +216,9 @@ class WorkerSlots:
     Invariants: a slot is marked free only when no copy reads it (the release function :meth:`open` returns
     is called once the copy that read it completed); a slot is unregistered only when free (a worker
     replaced it, or the prefetcher closed after its copies completed); slots are handed to the workers of
-    one iteration at a time (:meth:`begin` to :meth:`end`), so two sets of workers never share them.
+    one iteration at a time (:meth:`begin` to :meth:`end`), so two sets of workers never share them; the
+    shared state (busy flags, installed generations) belongs to the workers of one loader, and another
+    loader's iteration gets a new one, which leaves persistent workers of the first off.
     ``pin=False`` (the CPU path) keeps the slots in shared memory only: the batch is copied out of its slot
     before the slot is released.
     """
@@ -231,6 +235,7 @@ class WorkerSlots:
         self._open = False  # an iteration's workers hold the slots
         self._registered: set[int] = set()  # the addresses of the slots registered with CUDA
         self._per_worker = 0
+        self._loader: weakref.ref[Any] | None = None  # the loader whose workers the state was made for
         self._lock = threading.Lock()  # the fetching thread opens; a close() or a collect may release
 
     def begin(self, loader: Any) -> SlotCollate | None:
@@ -250,18 +255,27 @@ class WorkerSlots:
                 if self._leased:
                     return None
                 self._unregister_all()
-                self._state = torch.zeros(size + 1, dtype=torch.int8).share_memory_()
-                self._flags = self._state.numpy()
-                self._installed = torch.zeros(size, dtype=torch.int64).share_memory_()
-                self._gens = self._installed.numpy()
-                self._per_worker = per_worker
+                self._new_state(size, per_worker)
+            elif self._loader is None or self._loader() is not loader:
+                # The persistent workers of another loader keep their own record of these slot numbers
+                # (``SlotCollate._mine``): a new state leaves theirs off for good (their flag stays 0), so
+                # they never write a slot that this loader's workers replaced. The slots stay, installed
+                # as generation 0 of the new state.
+                self._new_state(size, per_worker)
+            self._loader = weakref.ref(loader)
             for i in range(size):  # a batch of a stopped iteration never arrives: its slot is free again
-                if i not in self._leased:
-                    self._flags[i] = FREE
+                self._flags[i] = BUSY if i in self._leased else FREE
             self._flags[-1] = 1
             self._open = True
             return SlotCollate(loader.collate_fn, self._state, self._installed, dict(self._slots), per_worker,
                                ahead)
+
+    def _new_state(self, size: int, per_worker: int) -> None:
+        self._state = torch.zeros(size + 1, dtype=torch.int8).share_memory_()
+        self._flags = self._state.numpy()
+        self._installed = torch.zeros(size, dtype=torch.int64).share_memory_()
+        self._gens = self._installed.numpy()
+        self._per_worker = per_worker
 
     def end(self) -> None:
         """The iteration ended and its workers shut down (persistent ones send plain batches until the
