@@ -216,9 +216,10 @@ class WorkerSlots:
     Invariants: a slot is marked free only when no copy reads it (the release function :meth:`open` returns
     is called once the copy that read it completed); a slot is unregistered only when free (a worker
     replaced it, or the prefetcher closed after its copies completed); slots are handed to the workers of
-    one iteration at a time (:meth:`begin` to :meth:`end`), so two sets of workers never share them; the
-    shared state (busy flags, installed generations) belongs to the workers of one loader, and another
-    loader's iteration gets a new one, which leaves persistent workers of the first off.
+    one iteration at a time (:meth:`begin` to :meth:`end`), so two sets of workers never share them; and
+    to the workers of one loader for as long as it lives (its persistent workers keep their own record of
+    the slots, and may still be collating a batch of a broken-off epoch): another loader's batches cross
+    as the DataLoader sends them.
     ``pin=False`` (the CPU path) keeps the slots in shared memory only: the batch is copied out of its slot
     before the slot is released.
     """
@@ -235,13 +236,14 @@ class WorkerSlots:
         self._open = False  # an iteration's workers hold the slots
         self._registered: set[int] = set()  # the addresses of the slots registered with CUDA
         self._per_worker = 0
-        self._loader: weakref.ref[Any] | None = None  # the loader whose workers the state was made for
+        self._owner: weakref.ref[Any] | None = None  # the loader whose workers the slots are handed to
         self._lock = threading.Lock()  # the fetching thread opens; a close() or a collect may release
 
     def begin(self, loader: Any) -> SlotCollate | None:
         """The collate function for the workers of an iteration of ``loader`` about to start, or None where
         slots cannot be handed out: the workers of an earlier iteration may still run (its fetch thread
-        outlived its stop), or the loader's workers changed while slots were in use."""
+        outlived its stop), the loader's workers changed while slots were in use, or the slots belong to
+        another loader that is still alive."""
         prefetch = loader.prefetch_factor or 2
         per_worker = prefetch + 2  # a worker's queued batches, and two being copied
         size = loader.num_workers * per_worker
@@ -249,22 +251,18 @@ class WorkerSlots:
         # (``depth`` ahead, the one being fetched and the one whose copy the loop's batch is).
         ahead = min(per_worker, prefetch + -(-(self.depth + 2) // loader.num_workers))
         with self._lock:
-            if self._open:
-                return None
+            owner = self._owner() if self._owner is not None else None
+            if self._open or (owner is not None and owner is not loader):
+                return None  # (another loader's: its persistent workers may still write the slots)
             if self._state is None or self._per_worker != per_worker or len(self._state) != size + 1:
                 if self._leased:
                     return None
                 self._unregister_all()
                 self._new_state(size, per_worker)
-            elif self._loader is None or self._loader() is not loader:
-                # The persistent workers of another loader keep their own record of these slot numbers
-                # (``SlotCollate._mine``): a new state leaves theirs off for good (their flag stays 0), so
-                # they never write a slot that this loader's workers replaced. The slots stay, installed
-                # as generation 0 of the new state.
-                self._new_state(size, per_worker)
-            self._loader = weakref.ref(loader)
+            self._owner = weakref.ref(loader)
             for i in range(size):  # a batch of a stopped iteration never arrives: its slot is free again
-                self._flags[i] = BUSY if i in self._leased else FREE
+                if i not in self._leased:
+                    self._flags[i] = FREE
             self._flags[-1] = 1
             self._open = True
             return SlotCollate(loader.collate_fn, self._state, self._installed, dict(self._slots), per_worker,
