@@ -202,9 +202,9 @@ def test_start_up_is_not_counted_as_the_loop_waiting_for_data():
 
     with CudaPrefetcher(slow_start, device="cpu") as pf:
         for _ in pf:
-            time.sleep(0.005)  # the training step
+            time.sleep(0.02)  # the training step: 0.4 s in all, so a scheduling hiccup is not 5% of it
     s = pf.stats
-    assert s.startup_s >= 0.3 and s.wall_s < 0.3 and not s.input_bound
+    assert s.startup_s >= 0.3 and s.wall_s < 0.6 and not s.input_bound  # (0.7 with the start-up in it)
     assert s.summary().startswith("[ok] 20 batches") and "(start-up 0.3" in s.summary()
 
 
