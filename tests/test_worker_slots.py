@@ -184,7 +184,7 @@ def test_a_stateful_dataloader_collates_into_slots_from_its_first_epoch_and_resu
         it = iter(pf)
         assert [next(it)["i"][0].item() for _ in range(4)] == [0, 4, 8, 12]
         state = pf.state_dict()
-        assert pf.stats.slot_batches == 4
+        assert 4 <= pf.stats.slot_batches <= 4 + pf.depth  # (a fetch thread may have read ahead)
         pf.close()
         resumed = stateful.StatefulDataLoader(Items(40), batch_size=4, num_workers=2,
                                               persistent_workers=persistent)
