@@ -79,9 +79,8 @@ class SlotCollate:
     DataLoader would, so a batch never waits for a slot. A worker that makes a slot makes, beside it, free
     ones of the same size in numbers it does not use yet, until it has ``ahead`` slots that fit (the
     batches of its own that the pipeline holds at once): the main process registers them all with that
-    first batch. ``state[-1]`` is 1 while a
-    prefetcher iterates the loader: persistent workers send plain batches to anyone who iterates the
-    loader after it.
+    first batch. ``state[-1]`` is 1 while a prefetcher iterates the loader: persistent workers send plain
+    batches to anyone who iterates the loader after it.
 
     Each slot number has a generation, raised each time a worker makes a new slot there; ``installed``
     (shared) holds the generation the main process installed, and a worker sends each of its slots whose
