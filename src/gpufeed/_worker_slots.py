@@ -90,7 +90,7 @@ class SlotCollate:
     """
 
     def __init__(self, collate_fn: Any, state: torch.Tensor, installed: torch.Tensor,
-                 slots: dict[int, torch.Tensor], per_worker: int, ahead: int = 1) -> None:
+                 slots: dict[int, torch.Tensor], per_worker: int, ahead: int) -> None:
         self.collate_fn = collate_fn
         self.state = state
         self.installed = installed
@@ -257,7 +257,11 @@ class WorkerSlots:
                 if self._leased:
                     return None
                 self._unregister_all()
-                self._new_state(size, per_worker)
+                self._state = torch.zeros(size + 1, dtype=torch.int8).share_memory_()
+                self._flags = self._state.numpy()
+                self._installed = torch.zeros(size, dtype=torch.int64).share_memory_()
+                self._gens = self._installed.numpy()
+                self._per_worker = per_worker
             self._owner = weakref.ref(loader)
             for i in range(size):  # a batch of a stopped iteration never arrives: its slot is free again
                 if i not in self._leased:
@@ -266,13 +270,6 @@ class WorkerSlots:
             self._open = True
             return SlotCollate(loader.collate_fn, self._state, self._installed, dict(self._slots), per_worker,
                                ahead)
-
-    def _new_state(self, size: int, per_worker: int) -> None:
-        self._state = torch.zeros(size + 1, dtype=torch.int8).share_memory_()
-        self._flags = self._state.numpy()
-        self._installed = torch.zeros(size, dtype=torch.int64).share_memory_()
-        self._gens = self._installed.numpy()
-        self._per_worker = per_worker
 
     def end(self) -> None:
         """The iteration ended and its workers shut down (persistent ones send plain batches until the
