@@ -181,3 +181,27 @@ def test_close_from_another_thread_while_the_fetch_thread_starts(monkeypatch):
     with pytest.raises(RuntimeError, match="stopped: the CudaPrefetcher was closed"):
         next(it)
     assert wait_no_threads() < 5
+
+
+def test_a_batch_the_thread_finishes_after_another_thread_closed_is_not_handed_out():
+    """As on the loop's thread: the loop gets the stop error, not the batch being made when close() ran."""
+    stops = []
+
+    class Waits:
+        def __iter__(self):
+            for i in range(10):
+                if i == 5:
+                    assert stops[0].wait(5)  # batch 5 is finished only once close() has stopped the epoch
+                yield {"x": torch.tensor([i])}
+
+    pf = CudaPrefetcher(Waits(), device="cpu", depth=1)
+    it = iter(pf)
+    stops.append(it._stop)
+    assert [next(it)["x"].item() for _ in range(5)] == [0, 1, 2, 3, 4]
+    assert it._thread is not None  # (the suite's rule: a thread always pays)
+    closer = threading.Timer(0.1, pf.close)
+    closer.start()
+    with pytest.raises(RuntimeError, match="stopped: the CudaPrefetcher was closed"):
+        next(it)
+    closer.join()
+    assert wait_no_threads() < 5

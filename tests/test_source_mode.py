@@ -353,3 +353,17 @@ def test_a_probing_iter_after_an_epoch_does_not_skip_one():
     assert _ys(pf) == _plan(0)
     iter(pf)
     assert _ys(pf) == _plan(1) and pf.epoch == 1
+
+
+def test_a_source_s_reads_count_as_staging():
+    """On the CPU a batch's reads run inside its delivery: ``stage_s`` holds them (20 ms or more each),
+    ``staged_bytes`` what they read."""
+    class Slow(ArraySource):
+        def read(self, rows, out):
+            time.sleep(0.02)
+            super().read(rows, out)
+
+    with CudaPrefetcher(SourceLoader(Slow(n=40), batch_size=10), device="cpu") as pf:
+        assert [b["y"].tolist() for b in pf] == [list(range(i, i + 10)) for i in range(0, 40, 10)]
+    assert pf.stats.staged_bytes == pf.stats.bytes == 40 * (3 * 4 * 4 + 8)
+    assert pf.stats.stage_s >= 4 * 0.02

@@ -219,6 +219,7 @@ class SourceBatch(ReadRequest):
     def read(self, copier: Copier, stop: threading.Event) -> Delivered:
         """Read this batch into the device (or host) tensors it returns; the copy stream is the calling
         (fetch) thread's current stream."""
+        t0 = time.perf_counter()
         fields = self.source.fields
         n = len(self.rows)
         start = copier.begin() if copier.stream is not None else None
@@ -232,7 +233,8 @@ class SourceBatch(ReadRequest):
                    for k, f in fields.items()}
             self._read_to_host(copier, out, stop)
         delivered = copier.seal(out, list(out.values()), start)
-        copier.stats.add(bytes=n * sum(f.sample_nbytes for f in fields.values()))
+        nbytes = n * sum(f.sample_nbytes for f in fields.values())
+        copier.stats.add(bytes=nbytes, staged_bytes=nbytes, stage_s=time.perf_counter() - t0)
         return delivered
 
     def _read_to_host(self, copier: Copier, out: dict[str, torch.Tensor], stop: threading.Event) -> None:

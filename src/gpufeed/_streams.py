@@ -23,7 +23,7 @@ class StreamSwitch:
     """
 
     def __init__(self, device: torch.device, copy: torch.cuda.Stream) -> None:
-        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.index = device.index  # (a prefetcher's CUDA device always names its index)
         self._get = torch._C._cuda_getCurrentStream
         self._get_device = torch._C._cuda_getDevice
         self._key: Any = None
@@ -34,7 +34,7 @@ class StreamSwitch:
     def current(self) -> torch.cuda.Stream:
         """The loop's current stream on the device."""
         key = self._get(self.index)
-        if key != self._key or self._current is None:
+        if key != self._key:
             self._current = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
             self._make_current = _setter(self._current)
             self._key = key

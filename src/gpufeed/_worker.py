@@ -60,7 +60,6 @@ class Slots:
     """
 
     def __init__(self, n: int) -> None:
-        self.n = n
         self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
         for _ in range(n):
             self._tokens.put(None)

@@ -181,9 +181,9 @@ class CudaPrefetcher:
         self._loader.set_epoch(self.epoch)
 
     def __iter__(self) -> Iterator[Any]:
-        if self._closed:
-            raise RuntimeError("this CudaPrefetcher is closed; create a new one to iterate again")
-        with self._lock:
+        with self._lock:  # (close() takes it too: no epoch starts on a prefetcher being closed)
+            if self._closed:
+                raise RuntimeError("this CudaPrefetcher is closed; create a new one to iterate again")
             previous = self._current() if self._current is not None else None
             if previous is not None:
                 previous._shutdown("a new iteration of the same CudaPrefetcher started")
@@ -239,10 +239,11 @@ class CudaPrefetcher:
 
     def close(self) -> None:
         """Stop the epoch (and its background thread), free pinned and device buffers; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        it = self._current() if self._current is not None else None
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            it = self._current() if self._current is not None else None
         if it is not None:
             it._shutdown("the CudaPrefetcher was closed")
         if self._cuda:
@@ -270,8 +271,8 @@ class CudaPrefetcher:
     # -- used by an epoch ---------------------------------------------------------------------------
 
     def _copier(self) -> Copier:
-        # A copier and its reader threads belong to one epoch (they end with its fetch thread), so break,
-        # an error or Ctrl-C leaves no gpufeed thread behind; pinned buffers live on in the pool.
+        # One copier an epoch: its count of batches starts again, so each epoch's first batch, which pays
+        # the start-up, is never the one timed with CUDA events; pinned buffers live on in the pool.
         return Copier(self.device, self._stream, self._pool, self.stats, self.transform, self._trace,
                       host=self._host, in_flight=self._in_flight, slots=self._slots)
 
@@ -302,10 +303,9 @@ class _EpochIterator:
         self._reason = ""
         self._last_t: float | None = None
         self._streams = StreamSwitch(pf.device, pf._stream) if pf._stream is not None else None
-        self._consumer_stream = self._streams.current() if self._streams is not None else None
-        self._copy_stream = pf._stream
         self._thread: threading.Thread | None = None
-        self._deliveries = _deliveries(batches, pf._copier(), self._stop, self._consumer_stream)
+        consumer = self._streams.current() if self._streams is not None else None
+        self._deliveries = _deliveries(batches, pf._copier(), self._stop, consumer)
         # Inline: the deliveries made ahead of the one returned (Delivered, then END or a Failure last).
         self._ahead: collections.deque[Any] = collections.deque()
         self._keep_ahead = pf.depth if pf._cuda else 0
@@ -328,7 +328,7 @@ class _EpochIterator:
         t0 = time.perf_counter()
         consumer = self._streams.current() if self._streams is not None else None
         try:
-            if self._thread is None and self._last_t is not None and self._fetches is not None:
+            if self._last_t is not None and self._fetches is not None:  # (None once decided)
                 self._decide(t0 - self._last_t, consumer)
             if self._thread is None:
                 item = self._read_inline()
@@ -396,7 +396,7 @@ class _EpochIterator:
         first in line, and count against the ``depth`` batches the thread may make ahead."""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._slots = _worker.Slots(self._pf.depth - len(self._ahead))
-        args = (self._deliveries, self._copy_stream, self._queue, self._slots, self._stop)
+        args = (self._deliveries, self._pf._stream, self._queue, self._slots, self._stop)
         thread = threading.Thread(target=_produce, args=args, name="gpufeed-fetch", daemon=True)
         self._fetcher.update(thread=thread, queue=self._queue)  # before it starts: the finalizer joins it
         thread.start()
@@ -454,10 +454,14 @@ class _EpochIterator:
         q, thread = self._queue, self._thread
         while True:
             try:
-                return q.get(timeout=_worker.POLL_S)
+                item = q.get(timeout=_worker.POLL_S)
             except queue.Empty:
+                self._check_stopped()
                 if not thread.is_alive() and q.empty():
                     raise RuntimeError("gpufeed's background thread ended without a result") from None
+                continue
+            self._check_stopped()  # closed meanwhile: what the thread made is not handed out (as inline)
+            return item
 
     def _finish(self) -> None:
         self._done = True

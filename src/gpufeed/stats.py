@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 #: A loop whose body takes at most this long a batch did no work to starve: its waits time the input alone.
 #: An empty body measures 1-10 us a batch on a 2-core CPU machine (the iteration, and the scheduler's noise
@@ -23,11 +23,13 @@ class PrefetchStats:
     ``stall_fraction`` is ``wait_s / wall_s``: near 0 means the GPU never waited for data, near 1 that
     the loop is input-bound (or, inline, that fetching took the loop's time while the GPU may have been
     busy). ``fetch_s`` and ``stage_s`` are the time spent pulling from the loader (or
-    reading the source) and copying pageable memory into pinned buffers, on whichever thread fetched.
+    planning a source's batches) and copying pageable memory into pinned buffers (or waiting for a source
+    batch's reads, which start ahead), on whichever thread fetched; ``staged_bytes`` is what they moved.
     ``copy_s`` is the H2D time on the copy stream of the batches timed with CUDA events (one batch in 16:
     a CUDA event costs time on every batch), and ``timed_bytes`` what they copied, so ``h2d_GBps`` is the
     rate the link was fed at over that sample. A pageable batch's copies wait for its chunks to be pinned,
-    so its time spans its staging too (and, the first time, the pinning of fresh pool memory).
+    so its time spans its staging too (and, the first time, the pinning of fresh blocks of torch's caching
+    host allocator).
     ``slot_batches`` counts the batches a DataLoader's workers collated into the prefetcher's pinned
     shared slots (``worker_slots``): the main process copied none of their bytes.
 
@@ -103,9 +105,7 @@ class PrefetchStats:
             self.slot_batches += slot_batches
 
     def as_dict(self) -> dict[str, float]:
-        keys = ("batches", "bytes", "wait_s", "wall_s", "startup_s", "fetch_s", "stage_s", "copy_s",
-                "timed_bytes", "staged_bytes", "threaded_batches", "slot_batches", "gpu_busy")
-        d: dict[str, float] = {k: getattr(self, k) for k in keys}
+        d: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_lock"}
         d.update(stall_fraction=self.stall_fraction, h2d_GBps=self.h2d_GBps,
                  stage_GBps=self.stage_GBps, throughput_GBps=self.throughput_GBps)
         return d
