@@ -22,6 +22,12 @@ def device(request):
     return torch.device(request.param)
 
 
+def staging(device, **settings):
+    """``settings`` of the pinned staging (``chunk_bytes``, ``pinned_budget``) on CUDA; on the CPU, where
+    nothing is staged and they raise, none."""
+    return settings if torch.device(device).type == "cuda" else {}
+
+
 def gpufeed_threads():
     return [t for t in threading.enumerate() if t.name.startswith("gpufeed") and t.is_alive()]
 

@@ -433,17 +433,25 @@ def test_batching_arguments_raise_and_name_where_they_belong(kwargs):
         CudaPrefetcher([torch.zeros(1)], device="cpu", **kwargs)
 
 
-def test_a_pinned_budget_for_a_plain_loader_raises_and_says_where_it_applies(tmp_path):
+def test_a_pinned_budget_for_a_plain_loader_raises_and_says_where_it_applies():
     """pinned_budget bounds a SourceLoader's read buffers: with another loader any value but 0 (pinned
-    staging off) would be silently ignored, so it raises; with a SourceLoader it is taken."""
+    staging off) would be silently ignored, so it raises (a SourceLoader's, on CUDA:
+    reliability/test_rel_gpu.py::test_source_batch_larger_than_the_pinned_budget)."""
     with pytest.raises(ValueError, match=r"pinned_budget=2097152 bounds the pinned read buffers of a "
                                          r"SourceLoader; with a list only pinned_budget=0 applies"):
         CudaPrefetcher([torch.zeros(1)], device="cpu", pinned_budget=2 << 20)
     CudaPrefetcher([torch.zeros(1)], device="cpu", pinned_budget=0).close()
+
+
+@pytest.mark.parametrize("setting", [{"pinned_budget": 2 << 20}, {"chunk_bytes": 4096}])
+def test_staging_settings_on_the_cpu_raise_and_say_where_they_apply(tmp_path, setting):
+    """On the CPU nothing is staged: a budget or chunk size would be silently ignored, so it raises."""
     np.save(tmp_path / "x.npy", np.zeros((4, 2), np.float32))
-    with CudaPrefetcher(SourceLoader(RawSource(tmp_path / "x.npy"), batch_size=2), device="cpu",
-                        pinned_budget=2 << 20) as pf:
-        assert pf._pool.budget == 2 << 20 and len(list(pf)) == 2
+    loader = SourceLoader(RawSource(tmp_path / "x.npy"), batch_size=2)
+    with pytest.raises(ValueError, match=r"size the pinned staging of copies to a CUDA device; on cpu"):
+        CudaPrefetcher(loader, device="cpu", **setting)
+    with CudaPrefetcher(loader, device="cpu", pinned_budget=0) as pf:
+        assert len(list(pf)) == 2
 
 
 def test_an_unknown_argument_is_a_type_error_that_names_it():

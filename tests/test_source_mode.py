@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import staging
 from gpufeed import CudaPrefetcher, Field, SourceLoader
 from gpufeed.sources import RawSource, plan_batches
 
@@ -50,7 +51,7 @@ def collect(pf, limit=None):
 def test_source_batches_equal_the_plan(device, shuffle, depth):
     src = ArraySource()
     with CudaPrefetcher(SourceLoader(src, batch_size=10, shuffle=shuffle, seed=4),
-                        device=device, depth=depth, chunk_bytes=4096) as pf:
+                        device=device, depth=depth, **staging(device, chunk_bytes=4096)) as pf:
         for epoch in range(2):
             got = collect(pf)
             plan = plan_batches(len(src), 10, shuffle=shuffle, seed=4, epoch=epoch)
@@ -107,7 +108,7 @@ def test_raw_files_through_the_prefetcher(tmp_path, device):
     np.arange(257, dtype=np.int32).tofile(tmp_path / "y.bin")
     src = RawSource(fields={"x": tmp_path / "x.npy", "y": {"paths": tmp_path / "y.bin", "dtype": "int32"}})
     with CudaPrefetcher(SourceLoader(src, batch_size=32, shuffle=True),
-                        device=device, chunk_bytes=4096) as pf:
+                        device=device, **staging(device, chunk_bytes=4096)) as pf:
         got = collect(pf)
     ys = torch.cat([b["y"] for b in got]).numpy()
     assert sorted(ys) == list(range(257))
@@ -223,7 +224,7 @@ class OddSource(ArraySource):
 def test_fields_of_odd_row_sizes(device, chunk_bytes):
     src = OddSource()
     with CudaPrefetcher(SourceLoader(src, batch_size=13, shuffle=True),
-                        device=device, chunk_bytes=chunk_bytes) as pf:
+                        device=device, **staging(device, chunk_bytes=chunk_bytes)) as pf:
         got = collect(pf)
     ys = torch.cat([b["y"] for b in got]).numpy()
     assert sorted(ys) == list(range(77))

@@ -79,7 +79,8 @@ class CudaPrefetcher:
             another loader, any other value raises: its batches are pinned by torch's caching host
             allocator.
         chunk_bytes: a pageable tensor larger than this is staged in chunks of it, so filling one chunk
-            overlaps the copy of the one before; also the size of a source's pinned buffers.
+            overlaps the copy of the one before; also the size of a source's pinned buffers. It and
+            ``pinned_budget`` apply to a CUDA device only: on the CPU a value raises.
         static: deliver every batch into the same device tensors, for a captured CUDA graph; each item
             is then a :class:`~gpufeed.StaticBatch` ``(batch, valid)``, a short last batch zero-padded.
         trace: record every batch's stages for :meth:`export_trace` (default: env ``GPUFEED_TRACE=1``).
@@ -143,6 +144,11 @@ class CudaPrefetcher:
                 f"{type(source).__name__} only pinned_budget=0 applies (no pinned staging): its batches "
                 "are pinned in torch's caching host allocator, which has no budget of its own")
         self._cuda = self.device.type == "cuda"
+        if not self._cuda and ((pinned_budget or 0) > 0 or chunk_bytes != DEFAULT_CHUNK_BYTES):
+            raise ValueError(
+                f"pinned_budget and chunk_bytes size the pinned staging of copies to a CUDA device; on "
+                f"{self.device} batches are read into reused host tensors and nothing is staged: leave "
+                "them unset (pinned_budget=0 is accepted)")
         self._slots = _worker_slots(worker_slots, source, self._loader, self._cuda, pinned_budget, depth)
         self._loader.slots = self._slots
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None

@@ -12,7 +12,7 @@ import pytest
 import torch
 from _rel import KINDS, OnDisk, check_epoch, checked, keep, note, open_fds, rss_bytes
 
-from conftest import wait_no_threads
+from conftest import staging, wait_no_threads
 from gpufeed import CudaPrefetcher, SourceLoader
 from gpufeed.pinned_pool import PinnedPool
 from gpufeed.sources import plan_batches
@@ -80,7 +80,7 @@ def fresh_batches(n, rows=4096, seed=0):
 def test_loader_50_epochs_flat(device):
     """50 epochs of a loader with fresh tensors: RSS, objects, pool, threads, fds (and CUDA memory) flat."""
     loader = fresh_batches(8)
-    with CudaPrefetcher(loader, device=device, depth=3, chunk_bytes=256 << 10) as pf:
+    with CudaPrefetcher(loader, device=device, depth=3, **staging(device, chunk_bytes=256 << 10)) as pf:
         marks = Marks(pf, device)
         # Exact integer checksums: a float sum differs between the CPU and the GPU in its last bits.
         expected = [b["x"].view(torch.int32).to(torch.int64).sum().item() for b in loader()]

@@ -22,6 +22,7 @@ from _rel import checked, note, plan_rows
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import staging
 from gpufeed import CudaPrefetcher, SourceLoader
 from gpufeed.sources import RawSource, plan_batches
 
@@ -288,7 +289,7 @@ def test_random_sources_many_prefetchers(kind, n, fields, jobs, data_seed, delay
                 src = shared if share else opener()
                 pf = CudaPrefetcher(SourceLoader(src, batch_size=bs, shuffle=shuffle, drop_last=drop_last,
                                                  seed=seed),
-                                    device=device, depth=depth, chunk_bytes=4096)
+                                    device=device, depth=depth, **staging(device, chunk_bytes=4096))
                 return TwoEpochs(pf)
 
             work.append((make, expected, total, delays))
