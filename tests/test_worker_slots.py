@@ -3,6 +3,8 @@ same protocol as on CUDA, where the batch is copied out of its slot instead of t
 
 import collections
 import itertools
+import os
+import threading
 import time
 import types
 
@@ -163,7 +165,9 @@ class Calls(Dataset):
         return {"x": torch.full((n,), self.calls % 256, dtype=torch.uint8), "calls": self.calls}
 
 
-def test_persistent_workers_resend_a_slot_whose_batch_a_broken_off_epoch_dropped():
+def test_persistent_workers_resend_a_slot_whose_batch_a_broken_off_epoch_dropped(monkeypatch):
+    # inline: a fetch thread would take the queued batches, and install their slots, before the break
+    monkeypatch.setattr(gpufeed.prefetcher, "_cpu_core_to_spare", lambda: False)
     loader = DataLoader(Calls(), batch_size=1, num_workers=1, persistent_workers=True)
     pf = CudaPrefetcher(loader, device="cpu", worker_slots=True)
     for k, _ in enumerate(pf):
@@ -238,7 +242,9 @@ def test_a_broken_off_epoch_frees_its_slots_for_the_next():
         for k, _ in enumerate(pf):
             if k == 1:
                 break
+    before = pf.stats.slot_batches
     assert [b["i"].tolist()[0] for b in pf] == list(range(0, 64, 4))
+    assert pf.stats.slot_batches - before == 16  # none of the slots the broken-off batches held is lost
     assert len(pf._slots._slots) <= loader.num_workers * (loader.prefetch_factor + 2)
     pf.close()
 
@@ -440,3 +446,59 @@ def test_outside_a_worker_the_collate_function_is_the_loaders_own():
     _, collate = slot_collate(per_worker=3)
     assert isinstance(collate, SlotCollate)
     assert type(collate([{"x": torch.ones(2)}])) is dict
+
+
+def test_a_second_prefetcher_gets_every_batch_of_a_persistent_loader_another_left_open():
+    """The persistent workers collate with the first prefetcher's slots; the second gets the batches as the
+    DataLoader sends them (a peeked first prefetcher is left behind, as a DataLoader's own iterator is)."""
+    loader = DataLoader([torch.full((1000,), float(i)) for i in range(32)], batch_size=4, num_workers=2,
+                        persistent_workers=True)
+    first = CudaPrefetcher(loader, device="cpu", worker_slots=True)
+    peeked = iter(first)  # (kept: its iteration stays open)
+    assert next(peeked)[0, 0].item() == 0
+    second = CudaPrefetcher(loader, device="cpu", worker_slots=True)
+    batches = [[float(i + k) for k in range(4)] for i in range(0, 32, 4)]
+    for _ in range(2):
+        assert [b[:, 0].tolist() for b in second] == batches
+    assert second.stats.slot_batches == 0
+    first.close(), second.close()
+
+
+class Slow(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        time.sleep(0.5)
+        return torch.full((1 << 18,), float(i))
+
+
+def test_a_slot_batch_arriving_after_another_thread_closed_is_dropped_and_installs_nothing(monkeypatch):
+    monkeypatch.setattr(gpufeed.prefetcher, "_cpu_core_to_spare", lambda: False)  # the loop's thread waits
+    pf = CudaPrefetcher(DataLoader(Slow(), batch_size=2, num_workers=1), device="cpu", worker_slots=True)
+    it = iter(pf)
+    closer = threading.Timer(0.3, pf.close)  # while the loop waits for batch 0 (1 s to make)
+    closer.start()
+    with pytest.raises(RuntimeError, match="stopped: the CudaPrefetcher was closed"):
+        next(it)
+    closer.join()
+    assert pf._slots._slots == {} and pf.stats.slot_batches == 0
+
+
+def _mapped_mib(pid, mib):
+    """How many shared-memory mappings of ``mib`` MiB process ``pid`` holds."""
+    with open(f"/proc/{pid}/maps") as f:
+        spans = [line.split()[0].split("-") for line in f if "torch_" in line or "/dev/shm" in line]
+    return sum((int(b, 16) - int(a, 16)) == mib << 20 for a, b in spans)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="reads /proc/<pid>/maps (Linux)")
+def test_a_closed_prefetcher_s_persistent_workers_let_go_of_its_slots():
+    loader = DataLoader([torch.full((3 << 17,), float(i)) for i in range(32)], batch_size=4, num_workers=2,
+                        persistent_workers=True)  # 6 MiB batches: slots of 6 MiB
+    with CudaPrefetcher(loader, device="cpu", worker_slots=True) as pf:
+        assert sum(1 for _ in pf) == 8 and pf.stats.slot_batches == 8
+        workers = [w.pid for w in loader._iterator._workers]
+        assert sum(_mapped_mib(pid, 6) for pid in workers) >= 2
+    assert [b[0, 0].item() for b in loader] == [float(i) for i in range(0, 32, 4)]  # (the workers collate)
+    assert sum(_mapped_mib(pid, 6) for pid in workers) == 0

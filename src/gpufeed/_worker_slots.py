@@ -33,12 +33,16 @@ from torch.utils.data._utils.collate import (
 )
 
 from gpufeed._tree import Rebuild, flatten
+from gpufeed._worker import Stopped
 from gpufeed.staging import aligned
 
 #: A new slot's size is the batch's bytes rounded up to a whole number of these, so that batches a little
 #: larger (a ragged last sample, a longer sequence) still fit it.
 SLOT_GRAIN = 1 << 20
 FREE, BUSY = 0, 1
+#: ``state[-1]``: whether the workers collate into slots (only while a prefetcher iterates the loader), and
+#: whether the prefetcher closed (its persistent workers then drop the slots they hold).
+IDLE, ITERATING, CLOSED = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -79,8 +83,9 @@ class SlotCollate:
     DataLoader would, so a batch never waits for a slot. A worker that makes a slot makes, beside it, free
     ones of the same size in numbers it does not use yet, until it has ``ahead`` slots that fit (the
     batches of its own that the pipeline holds at once): the main process registers them all with that
-    first batch. ``state[-1]`` is 1 while a prefetcher iterates the loader: persistent workers send plain
-    batches to anyone who iterates the loader after it.
+    first batch. ``state[-1]`` is ``ITERATING`` while a prefetcher iterates the loader: persistent workers
+    send plain batches to anyone who iterates the loader after it (``IDLE``), and drop their slots once the
+    prefetcher closed (``CLOSED``).
 
     Each slot number has a generation, raised each time a worker makes a new slot there; ``installed``
     (shared) holds the generation the main process installed, and a worker sends each of its slots whose
@@ -106,7 +111,9 @@ class SlotCollate:
         info = torch.utils.data.get_worker_info()
         if self._flags is None:
             self._flags, self._installed = self.state.numpy(), self.installed.numpy()
-        if info is None or not self._flags[-1]:
+        if info is None or self._flags[-1] != ITERATING:
+            if self._flags[-1] == CLOSED:  # persistent workers let go of a closed prefetcher's slots
+                self._mine = {}
             return self.collate_fn(samples)
         leaves, rebuild = self._collate(samples)
         offsets, total = [], 0
@@ -213,12 +220,13 @@ class WorkerSlots:
     """A prefetcher's slots (shared memory its DataLoader workers collate into), each pinned once.
 
     Invariants: a slot is marked free only when no copy reads it (the release function :meth:`open` returns
-    is called once the copy that read it completed); a slot is unregistered only when free (a worker
-    replaced it, or the prefetcher closed after its copies completed); slots are handed to the workers of
-    one iteration at a time (:meth:`begin` to :meth:`end`), so two sets of workers never share them; and
-    to the workers of one loader for as long as it lives (its persistent workers keep their own record of
-    the slots, and may still be collating a batch of a broken-off epoch): another loader's batches cross
-    as the DataLoader sends them.
+    is called once the copy that read it completed); a slot is unregistered only when no copy reads it (a
+    worker replaced it, or the prefetcher closed: at once, or once its copy completed); no slot is
+    installed after :meth:`close`; slots are handed to the workers of one iteration at a time
+    (:meth:`begin` to :meth:`end`), so two sets of workers never share them; and to the workers of one
+    loader for as long as it lives (its persistent workers keep their own record of the slots, and may
+    still be collating a batch of a broken-off epoch): another loader's batches cross as the DataLoader
+    sends them, as do those of a persistent loader whose workers another prefetcher started.
     ``pin=False`` (the CPU path) keeps the slots in shared memory only: the batch is copied out of its slot
     before the slot is released.
     """
@@ -236,6 +244,7 @@ class WorkerSlots:
         self._registered: set[int] = set()  # the addresses of the slots registered with CUDA
         self._per_worker = 0
         self._owner: weakref.ref[Any] | None = None  # the loader whose workers the slots are handed to
+        self._closed = False
         self._lock = threading.Lock()  # the fetching thread opens; a close() or a collect may release
 
     def begin(self, loader: Any) -> SlotCollate | None:
@@ -249,6 +258,11 @@ class WorkerSlots:
         # Made at a worker's first batch: its queued batches, and its share of those the prefetcher holds
         # (``depth`` ahead, the one being fetched and the one whose copy the loop's batch is).
         ahead = min(per_worker, prefetch + -(-(self.depth + 2) // loader.num_workers))
+        theirs = getattr(getattr(loader, "_iterator", None), "_collate_fn", None)  # persistent workers'
+        if isinstance(theirs, SlotCollate) and theirs.state is not self._state:
+            if theirs.state[-1] == ITERATING:  # another prefetcher's (its iteration ends here): plain batches
+                theirs.state[-1] = IDLE
+            return None
         with self._lock:
             owner = self._owner() if self._owner is not None else None
             if self._open or (owner is not None and owner is not loader):
@@ -266,7 +280,7 @@ class WorkerSlots:
             for i in range(size):  # a batch of a stopped iteration never arrives: its slot is free again
                 if i not in self._leased:
                     self._flags[i] = FREE
-            self._flags[-1] = 1
+            self._flags[-1] = ITERATING
             self._open = True
             return SlotCollate(loader.collate_fn, self._state, self._installed, dict(self._slots), per_worker,
                                ahead)
@@ -276,14 +290,16 @@ class WorkerSlots:
         next)."""
         with self._lock:
             self._open = False
-            if self._flags is not None:
-                self._flags[-1] = 0
+            if self._flags is not None and not self._closed:
+                self._flags[-1] = IDLE
 
     def open(self, sb: SlotBatch) -> tuple[list[torch.Tensor], Rebuild, Callable[[], None]]:
         """The tensors of ``sb``'s batch as views of its slot (pinned), what rebuilds the batch around them
         (or around their copies), and what releases the slot: called once no copy reads it (a second call
         does nothing)."""
         with self._lock:
+            if self._closed:  # a batch fetched while another thread closed the prefetcher: never handed out
+                raise Stopped
             for sid, (gen, slot) in sb.new.items():
                 if gen > self._gens[sid]:  # (a batch taken out of order may carry an older one)
                     self._install(sid, slot)
@@ -307,14 +323,22 @@ class WorkerSlots:
     def _release(self, sid: int) -> None:
         with self._lock:
             self._leased.discard(sid)
-            if self._flags is not None:
+            if self._closed:
+                slot = self._slots.pop(sid, None)
+                if slot is not None:
+                    self._unregister(slot)
+            elif self._flags is not None:
                 self._flags[sid] = FREE
 
     def close(self) -> None:
-        """Unregister every slot; the caller has waited for the copies that read them."""
+        """Unregister every slot no copy reads (a leased one once it is released), and tell persistent
+        workers to let go of theirs."""
         with self._lock:
-            self._leased.clear()
-            self._unregister_all()
+            self._closed = True
+            if self._flags is not None:
+                self._flags[-1] = CLOSED
+            for sid in [i for i in self._slots if i not in self._leased]:
+                self._unregister(self._slots.pop(sid))
 
     def _install(self, sid: int, slot: torch.Tensor) -> None:
         old = self._slots.pop(sid, None)
