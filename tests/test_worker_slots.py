@@ -3,7 +3,7 @@ same protocol as on CUDA, where the batch is copied out of its slot instead of t
 
 import collections
 import itertools
-import os
+import sys
 import threading
 import time
 import types
@@ -461,7 +461,8 @@ def test_a_second_prefetcher_gets_every_batch_of_a_persistent_loader_another_lef
     for _ in range(2):
         assert [b[:, 0].tolist() for b in second] == batches
     assert second.stats.slot_batches == 0
-    first.close(), second.close()
+    first.close()
+    second.close()
 
 
 class Slow(Dataset):
@@ -492,7 +493,7 @@ def _mapped_mib(pid, mib):
     return sum((int(b, 16) - int(a, 16)) == mib << 20 for a, b in spans)
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="reads /proc/<pid>/maps (Linux)")
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/<pid>/maps")
 def test_a_closed_prefetcher_s_persistent_workers_let_go_of_its_slots():
     loader = DataLoader([torch.full((3 << 17,), float(i)) for i in range(32)], batch_size=4, num_workers=2,
                         persistent_workers=True)  # 6 MiB batches: slots of 6 MiB

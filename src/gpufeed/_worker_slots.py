@@ -258,15 +258,10 @@ class WorkerSlots:
         # Made at a worker's first batch: its queued batches, and its share of those the prefetcher holds
         # (``depth`` ahead, the one being fetched and the one whose copy the loop's batch is).
         ahead = min(per_worker, prefetch + -(-(self.depth + 2) // loader.num_workers))
-        theirs = getattr(getattr(loader, "_iterator", None), "_collate_fn", None)  # persistent workers'
-        if isinstance(theirs, SlotCollate) and theirs.state is not self._state:
-            if theirs.state[-1] == ITERATING:  # another prefetcher's (its iteration ends here): plain batches
-                theirs.state[-1] = IDLE
-            return None
         with self._lock:
             owner = self._owner() if self._owner is not None else None
-            if self._open or (owner is not None and owner is not loader):
-                return None  # (another loader's: its persistent workers may still write the slots)
+            if self._started_by_another(loader) or self._open or (owner is not None and owner is not loader):
+                return None  # (first: those workers must be told, whatever else holds the slots)
             if self._state is None or self._per_worker != per_worker or len(self._state) != size + 1:
                 if self._leased:
                     return None
@@ -284,6 +279,17 @@ class WorkerSlots:
             self._open = True
             return SlotCollate(loader.collate_fn, self._state, self._installed, dict(self._slots), per_worker,
                                ahead)
+
+    def _started_by_another(self, loader: Any) -> bool:
+        """Whether ``loader``'s persistent workers run another prefetcher's collate function (they keep the
+        one they started with); they are told to send plain batches from now on, as that prefetcher's
+        iteration ends here."""
+        theirs = getattr(getattr(loader, "_iterator", None), "_collate_fn", None)
+        if not isinstance(theirs, SlotCollate) or theirs.state is self._state:
+            return False
+        if theirs.state[-1] == ITERATING:
+            theirs.state[-1] = IDLE
+        return True
 
     def end(self) -> None:
         """The iteration ended and its workers shut down (persistent ones send plain batches until the
