@@ -58,3 +58,11 @@ def reads_move_to_a_thread(monkeypatch):
 
     monkeypatch.setattr(gpufeed.prefetcher, "_cpu_core_to_spare", lambda: True)
     monkeypatch.setattr(gpufeed.prefetcher, "THREAD_COST_S", -1.0)
+
+
+@pytest.fixture
+def inline(monkeypatch):
+    """A CPU prefetcher's epochs stay on the loop's thread, as on a machine with no core to spare."""
+    import gpufeed.prefetcher
+
+    monkeypatch.setattr(gpufeed.prefetcher, "_cpu_core_to_spare", lambda: False)

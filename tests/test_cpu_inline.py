@@ -16,11 +16,6 @@ from gpufeed.sources import _pread
 real_core_to_spare = gpufeed.prefetcher._cpu_core_to_spare  # the suite's autouse fixture patches it
 
 
-@pytest.fixture
-def inline(monkeypatch):
-    monkeypatch.setattr(gpufeed.prefetcher, "_cpu_core_to_spare", lambda: False)
-
-
 class Pulls:
     """A loader whose iterator counts the batches pulled from it and whether it was closed."""
 

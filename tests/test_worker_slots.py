@@ -14,7 +14,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
-import gpufeed.prefetcher
 from gpufeed import CudaPrefetcher
 from gpufeed._worker_slots import SLOT_GRAIN, SlotBatch, SlotCollate, WorkerSlots
 
@@ -165,9 +164,8 @@ class Calls(Dataset):
         return {"x": torch.full((n,), self.calls % 256, dtype=torch.uint8), "calls": self.calls}
 
 
-def test_persistent_workers_resend_a_slot_whose_batch_a_broken_off_epoch_dropped(monkeypatch):
+def test_persistent_workers_resend_a_slot_whose_batch_a_broken_off_epoch_dropped(inline):
     # inline: a fetch thread would take the queued batches, and install their slots, before the break
-    monkeypatch.setattr(gpufeed.prefetcher, "_cpu_core_to_spare", lambda: False)
     loader = DataLoader(Calls(), batch_size=1, num_workers=1, persistent_workers=True)
     pf = CudaPrefetcher(loader, device="cpu", worker_slots=True)
     for k, _ in enumerate(pf):
@@ -180,10 +178,9 @@ def test_persistent_workers_resend_a_slot_whose_batch_a_broken_off_epoch_dropped
     pf.close()
 
 
-def test_a_stateful_dataloader_collates_into_slots_from_its_first_epoch_and_resumes(monkeypatch):
+def test_a_stateful_dataloader_collates_into_slots_from_its_first_epoch_and_resumes(inline):
     # inline: the suite's autouse fixture would move the epoch to a fetch thread at its 3rd batch, which
     # then reads up to depth slot batches ahead while the count below is taken
-    monkeypatch.setattr(gpufeed.prefetcher, "_cpu_core_to_spare", lambda: False)
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
     for persistent in (False, True):
         loader = stateful.StatefulDataLoader(Items(40), batch_size=4, num_workers=2,
@@ -474,8 +471,8 @@ class Slow(Dataset):
         return torch.full((1 << 18,), float(i))
 
 
-def test_a_slot_batch_arriving_after_another_thread_closed_is_dropped_and_installs_nothing(monkeypatch):
-    monkeypatch.setattr(gpufeed.prefetcher, "_cpu_core_to_spare", lambda: False)  # the loop's thread waits
+def test_a_slot_batch_arriving_after_another_thread_closed_is_dropped_and_installs_nothing(inline):
+    # inline: the loop's thread itself waits for the batch when the close() lands
     pf = CudaPrefetcher(DataLoader(Slow(), batch_size=2, num_workers=1), device="cpu", worker_slots=True)
     it = iter(pf)
     closer = threading.Timer(0.3, pf.close)  # while the loop waits for batch 0 (1 s to make)
