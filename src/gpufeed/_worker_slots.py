@@ -259,9 +259,11 @@ class WorkerSlots:
         # (``depth`` ahead, the one being fetched and the one whose copy the loop's batch is).
         ahead = min(per_worker, prefetch + -(-(self.depth + 2) // loader.num_workers))
         with self._lock:
+            if self._quiet_another_s_workers(loader):  # (first: whatever else holds the slots, they are told)
+                return None
             owner = self._owner() if self._owner is not None else None
-            if self._started_by_another(loader) or self._open or (owner is not None and owner is not loader):
-                return None  # (first: those workers must be told, whatever else holds the slots)
+            if self._open or (owner is not None and owner is not loader):
+                return None
             if self._state is None or self._per_worker != per_worker or len(self._state) != size + 1:
                 if self._leased:
                     return None
@@ -280,10 +282,10 @@ class WorkerSlots:
             return SlotCollate(loader.collate_fn, self._state, self._installed, dict(self._slots), per_worker,
                                ahead)
 
-    def _started_by_another(self, loader: Any) -> bool:
-        """Whether ``loader``'s persistent workers run another prefetcher's collate function (they keep the
-        one they started with); they are told to send plain batches from now on, as that prefetcher's
-        iteration ends here."""
+    def _quiet_another_s_workers(self, loader: Any) -> bool:
+        """Tell ``loader``'s persistent workers to send plain batches from now on if they run another
+        prefetcher's collate function (they keep the one they started with: that prefetcher's iteration
+        ends here); returns whether they do."""
         theirs = getattr(getattr(loader, "_iterator", None), "_collate_fn", None)
         if not isinstance(theirs, SlotCollate) or theirs.state is self._state:
             return False
