@@ -11,7 +11,7 @@ from importlib import metadata as _metadata
 from gpufeed._static import StaticBatch
 from gpufeed.convert import convert_h5_to_raw
 from gpufeed.prefetcher import CudaPrefetcher
-from gpufeed.source_loader import ReadRequest, SourceLoader
+from gpufeed.loaders.source_loader import SourceLoader
 from gpufeed.sources import BatchSource, Field, GDSSource, H5Source, RawSource
 from gpufeed.stats import PrefetchStats
 
@@ -23,7 +23,6 @@ __all__ = [
     "H5Source",
     "PrefetchStats",
     "RawSource",
-    "ReadRequest",
     "SourceLoader",
     "StaticBatch",
     "convert_h5_to_raw",

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from gpufeed._cli_util import CLIError, format_bytes, parse_size, say, table
-from gpufeed.source_loader import SourceLoader
+from gpufeed.loaders.source_loader import SourceLoader
 
 FEATURES = 1024  # x is (rows, FEATURES) float32: 4 KiB per sample, plus 8 bytes of y
 DEFAULT_SIZE_CPU = "256MiB"

@@ -15,9 +15,8 @@ EMPTY_LOOP_US = 25.0
 class PrefetchStats:
     """Counters of one prefetcher, over its whole life (all epochs).
 
-    ``wait_s`` is the time the consumer's thread spent in ``next()`` waiting for a batch (or fetching it
-    itself: an epoch fetches on the loop's thread until a background thread pays, and
-    ``threaded_batches`` counts those the thread fetched), and
+    ``wait_s`` is the time the consumer's thread spent in ``next()`` (taking a batch from the loader and
+    issuing its copies), and
     ``wall_s`` the time from each epoch's first batch to its last; the wait for an epoch's first batch
     (the pipeline starting: threads, a DataLoader's workers) is ``startup_s``, counted in neither.
     ``stall_fraction`` is ``wait_s / wall_s``: near 0 means the GPU never waited for data, near 1 that
@@ -49,7 +48,6 @@ class PrefetchStats:
     copy_s: float = 0.0
     timed_bytes: int = 0
     staged_bytes: int = 0
-    threaded_batches: int = 0
     slot_batches: int = 0
     #: The loop's GPU work was still running when it asked for a batch (sampled on each epoch's first
     #: batches, on CUDA).
@@ -121,8 +119,7 @@ class PrefetchStats:
         return (
             f"[{verdict}] {self.batches} batches, {self.bytes / 1e9:.2f} GB, consumer waited for data "
             f"{self.stall_fraction:.1%} of {self.wall_s:.2f}s between first and last batches (start-up "
-            f"{self.startup_s:.2f}s not counted); {self.threaded_batches} fetched on the background "
-            f"thread, the rest on the loop's; {self.slot_batches} collated into pinned slots; "
+            f"{self.startup_s:.2f}s not counted); {self.slot_batches} collated into pinned slots; "
             f"fetch {self.fetch_s:.2f}s, "
             f"stage {self.stage_s:.2f}s ({self.stage_GBps:.1f} GB/s), H2D {self.h2d_GBps:.1f} GB/s (timed "
             f"batches), {self.throughput_GBps:.1f} GB/s delivered"

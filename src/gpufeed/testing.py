@@ -25,6 +25,8 @@ import numpy as np
 import pytest
 import torch
 
+from gpufeed import host_memory
+
 from gpufeed.sources.base import BatchSource, Rows
 
 
@@ -68,7 +70,9 @@ class SourceContract:
             pin = device == "cpu" and torch.cuda.is_available()
         out = {}
         for name, f in source.fields.items():
-            t = torch.empty((n, *f.shape), dtype=f.dtype, device=device, pin_memory=pin)
+            t = torch.empty((n, *f.shape), dtype=f.dtype, device=device)
+            if pin:
+                t = host_memory.pin(t)
             if t.numel():
                 t.view(-1).view(torch.uint8).fill_(fill)
             out[name] = t

@@ -1,4 +1,4 @@
-"""DataLoader workers collate into shared memory that the main process pinned once: :class:`WorkerSlots`.
+"""DataLoader workers collate into shared memory that the main process pinned once: :class:`WorkerArena`.
 
 A DataLoader worker hands each batch over in a fresh shared-memory segment, which the main process maps
 (a page fault per page) and, to copy it to the GPU without a stall, copies once more into pinned memory,
@@ -15,12 +15,12 @@ each is pinned once in a prefetcher's life.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,9 +32,10 @@ from torch.utils.data._utils.collate import (
     default_collate_fn_map,
 )
 
+from gpufeed._staging import aligned
+from gpufeed._threads import Stopped
 from gpufeed._tree import Rebuild, flatten
-from gpufeed._worker import Stopped
-from gpufeed.staging import aligned
+from gpufeed.host_memory import Lease, register, unregister
 
 #: A new slot's size is the batch's bytes rounded up to a whole number of these, so that batches a little
 #: larger (a ragged last sample, a longer sequence) still fit it.
@@ -216,7 +217,7 @@ def _plain(t: torch.Tensor) -> bool:
             and not t.is_quantized and not t.is_nested)
 
 
-class WorkerSlots:
+class WorkerArena:
     """A prefetcher's slots (shared memory its DataLoader workers collate into), each pinned once.
 
     Invariants: a slot is marked free only when no copy reads it (the release function :meth:`open` returns
@@ -231,7 +232,8 @@ class WorkerSlots:
     before the slot is released.
     """
 
-    def __init__(self, pin: bool, depth: int = 1) -> None:
+    def __init__(self, pin: bool, depth: int = 1, stats: Any = None) -> None:
+        self.stats = stats  # the prefetcher's: counts the batches that crossed in slots
         self.pin = pin
         self.depth = depth  # the prefetcher's: batches it holds ahead of the loop
         self._slots: dict[int, torch.Tensor] = {}
@@ -245,7 +247,8 @@ class WorkerSlots:
         self._per_worker = 0
         self._owner: weakref.ref[Any] | None = None  # the loader whose workers the slots are handed to
         self._closed = False
-        self._lock = threading.Lock()  # the fetching thread opens; a close() or a collect may release
+        self._lock = threading.Lock()  # the loop's thread opens; a close() from another thread may release
+        self._pending: collections.deque[tuple[Any, int]] = collections.deque()  # (copy event, slot) leased
 
     def begin(self, loader: Any) -> SlotCollate | None:
         """The collate function for the workers of an iteration of ``loader`` about to start, or None where
@@ -301,10 +304,11 @@ class WorkerSlots:
             if self._flags is not None and not self._closed:
                 self._flags[-1] = IDLE
 
-    def open(self, sb: SlotBatch) -> tuple[list[torch.Tensor], Rebuild, Callable[[], None]]:
-        """The tensors of ``sb``'s batch as views of its slot (pinned), what rebuilds the batch around them
-        (or around their copies), and what releases the slot: called once no copy reads it (a second call
-        does nothing)."""
+    def open(self, sb: SlotBatch) -> tuple[list[torch.Tensor], Rebuild, Lease]:
+        """The tensors of ``sb``'s batch as views of its slot (pinned), what rebuilds the batch around them,
+        and its lease: called with the event of the copy that read the slot, which is free again once that
+        event completed (a second call does nothing)."""
+        self._collect()
         with self._lock:
             if self._closed:  # a batch fetched while another thread closed the prefetcher: never handed out
                 raise Stopped
@@ -318,15 +322,28 @@ class WorkerSlots:
             self._leased.add(sb.sid)
         released = False
 
-        def release() -> None:
+        def lease(event: Any) -> None:
             nonlocal released
             if not released:
                 released = True
-                self._release(sb.sid)
+                if event is None or event.query():
+                    self._release(sb.sid)
+                else:
+                    self._pending.append((event, sb.sid))
 
+        if self.stats is not None:
+            self.stats.slot_batches += 1
         specs, rebuild = flatten(sb.batch, leaf=_Leaf)
         views = [slot[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in specs]
-        return views, rebuild, release
+        return views, rebuild, lease
+
+    def _collect(self, wait: bool = False) -> None:
+        """Release the slots whose copies completed (all of them, waiting, with ``wait``)."""
+        while self._pending and (wait or self._pending[0][0].query()):
+            event, sid = self._pending.popleft()
+            if wait:
+                event.synchronize()
+            self._release(sid)
 
     def _release(self, sid: int) -> None:
         with self._lock:
@@ -339,8 +356,11 @@ class WorkerSlots:
                 self._flags[sid] = FREE
 
     def close(self) -> None:
-        """Unregister every slot no copy reads (a leased one once it is released), and tell persistent
-        workers to let go of theirs."""
+        """Unregister every slot once no copy reads it, and tell persistent workers to let go of theirs."""
+        try:
+            self._collect(wait=True)
+        except Exception:  # a broken CUDA context: nothing left to wait for
+            pass
         with self._lock:
             self._closed = True
             if self._flags is not None:
@@ -354,7 +374,7 @@ class WorkerSlots:
             self._unregister(old)
         if self.pin:
             try:
-                torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(slot.data_ptr(), slot.nbytes, 0))
+                register(slot)
                 self._registered.add(slot.data_ptr())
             except RuntimeError as exc:  # the locked-memory limit: the batch is staged as a pageable one
                 self.pin = False
@@ -371,4 +391,4 @@ class WorkerSlots:
     def _unregister(self, slot: torch.Tensor) -> None:
         if slot.data_ptr() in self._registered:
             self._registered.discard(slot.data_ptr())
-            torch.cuda.cudart().cudaHostUnregister(slot.data_ptr())
+            unregister(slot)

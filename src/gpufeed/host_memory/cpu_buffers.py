@@ -34,7 +34,7 @@ class _Slot:
                 for k, f in fields.items()}
 
 
-class HostBuffers:
+class CpuBuffers:
     """A bounded set of host tensors that batches read on the CPU land in, reused across batches.
 
     A fresh ``torch.empty`` per batch pays a page fault for every page on its first write; reused
@@ -49,7 +49,7 @@ class HostBuffers:
 
     def __init__(self, slots: int) -> None:
         if slots < 1:
-            raise ValueError(f"HostBuffers: slots must be >= 1, got {slots}")
+            raise ValueError(f"CpuBuffers: slots must be >= 1, got {slots}")
         self.slots = slots
         self._all: list[_Slot] = []
         self._lock = threading.Lock()  # epochs of one prefetcher may overlap while one shuts down

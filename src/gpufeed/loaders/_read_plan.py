@@ -1,16 +1,11 @@
-"""How a batch of a BatchSource is cut into reads: *chunks* (rows ``[r0, r1)`` of every field, staged
-through one pinned buffer, each field's region aligned to ``staging.ALIGN``) and *pieces* (rows
-``[a, b)`` of a chunk: one ``source.read`` on a reader thread).
-
-A plan is a list of chunks ``(r0, r1, offsets, nbytes, pieces)``: the chunk's rows, each field's byte
-offset in its buffer, the buffer's size, and the pieces' rows.
-"""
+"""How a batch of a BatchSource lies in one host buffer (each field's region aligned to ``_staging.ALIGN``)
+and is cut into *pieces* (rows ``[a, b)``: one ``source.read`` on a reader thread)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from gpufeed.staging import ALIGN, aligned
+from gpufeed._staging import aligned
 
 #: The smallest read a batch is split into (a batch smaller than this is one read). Each read costs the
 #: background threads GIL handoffs, and every handoff can delay the training thread, whose torch calls
@@ -20,8 +15,6 @@ MIN_READ_BYTES = 4 << 20
 #: costs GIL handoffs (submit, wake, result, wake), and each can delay the training thread's next torch call.
 #: (A direct read always reads its first piece on the calling thread.)
 INLINE_BYTES = 1 << 20
-
-Chunk = tuple[int, int, dict[str, int], int, list[tuple[int, int]]]
 
 
 def split(total: int, piece: int) -> list[tuple[int, int]]:
@@ -54,20 +47,3 @@ def pieces(r0: int, r1: int, nrows: int, threads: int, row: int,
     if fill_bytes is not None:
         per = min(fill_bytes // row, per)
     return [(r0 + a, r0 + a + k) for a, k in split(r1 - r0, max(1, per))]
-
-
-def plan(fields: Any, nrows: int, threads: int, chunk_bytes: int, fill_bytes: int) -> list[Chunk]:
-    """The chunks of a batch of ``nrows`` rows staged through buffers of ``chunk_bytes``."""
-    row = row_bytes(fields)
-    fill = fill_bytes if threads > 1 else None  # one reader: a chunk is one read
-    out = []
-    per_chunk = max(1, (chunk_bytes - len(fields) * ALIGN) // row)  # each region's alignment fits too
-    for r0, k in split(nrows, per_chunk):
-        offsets, nbytes = regions(fields, k)
-        out.append((r0, r0 + k, offsets, nbytes, pieces(r0, r0 + k, nrows, threads, row, fill)))
-    return out
-
-
-def one_small_read(chunks: list[Chunk]) -> bool:
-    """Whether a staged batch is one read of at most ``INLINE_BYTES`` (read on the fetching thread)."""
-    return len(chunks) == 1 and len(chunks[0][4]) == 1 and chunks[0][3] <= INLINE_BYTES

@@ -1,47 +1,33 @@
 """SourceLoader: batch, shuffle and shard a BatchSource, as a DataLoader does a Dataset.
 
 A :class:`SourceLoader` owns every decision about which rows make up each batch (``batch_size``,
-``shuffle``, ``drop_last``, ``seed``, the rank's shard, ``pad``) and the epoch and resume position.
-Iterating it yields :class:`ReadRequest` objects; a :class:`~gpufeed.CudaPrefetcher` wrapping it has each
-request read straight into its pinned and device buffers.
+``shuffle``, ``drop_last``, ``seed``, the rank's shard, ``pad``), the epoch and resume position, its reader
+threads and the pinned memory its reads may hold. Iterating it yields batches (dicts of host tensors, one
+per field); a :class:`~gpufeed.CudaPrefetcher` wrapping it copies each batch straight from the pinned buffer
+it was read into.
 """
 
 from __future__ import annotations
 
-import abc
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.utils.data
+
+from gpufeed.host_memory import HostBatch, warn_pageable
+from gpufeed.host_memory.cpu_buffers import CpuBuffers
+from gpufeed.host_memory.pinned_pool import DEFAULT_PINNED_BUDGET, PinnedPool
 
 if TYPE_CHECKING:
-    from gpufeed._copier import Copier, Delivered
     from gpufeed.sources.base import BatchSource, Rows
 
 STATE_VERSION = 1
-
-
-class ReadRequest(abc.ABC):
-    """One batch that reads itself to the device: what a :class:`SourceLoader` yields.
-
-    The protocol between a loader of a source and :class:`~gpufeed.CudaPrefetcher`: when the
-    prefetcher takes a ``ReadRequest`` from the loader it wraps (on the loop's thread or its fetch
-    thread), it calls
-    :meth:`read` instead of copying the item's tensors. ``read`` may use these members of the copier:
-    ``device``, ``stream`` (the copy stream, already the calling thread's current stream; ``None`` on
-    the CPU), ``pool`` (pinned buffers, refilled only after the copy that read them completed),
-    ``host`` (host tensors for CPU batches, reused only once nothing else references them), ``stats``,
-    ``trace``, ``pinned_ok()``, and ``begin()`` / ``seal()``, which time the batch's copies
-    and record the event that the consumer's stream waits on. ``rows`` are the source rows of the batch.
-    """
-
-    rows: Rows
-
-    @abc.abstractmethod
-    def read(self, copier: Copier, stop: threading.Event) -> Delivered:
-        """Read the batch into device tensors (host tensors on the CPU) and return it sealed."""
+#: The version of a prefetcher's state_dict around a SourceLoader's (the same as around any loader's).
+PREFETCHER_STATE_VERSION = 1
 
 
 class SourceLoader:
@@ -59,9 +45,9 @@ class SourceLoader:
     count. :meth:`state_dict` is the position after the last batch yielded; a prefetcher records the one
     after the batch its consumer received, and resumes there.
 
-    Invariant: :meth:`batches` depends only on its arguments and the configuration, so a prefetcher's
-    fetch thread reads while the epoch counter and the resume point change only on the training thread
-    (:meth:`upcoming_epoch`, :meth:`begin_epoch`, :meth:`resume_point`).
+    Invariant: it owns the epoch and the resume position; a prefetcher wrapping it only takes the state
+    that came with each batch (the position after it) and tells it when an iteration handed out its
+    first batch (:meth:`epoch_started`).
 
     Args:
         source: the BatchSource to read (``RawSource``, ``H5Source``, ``GDSSource`` or your own).
@@ -74,25 +60,29 @@ class SourceLoader:
         rank, world_size: this process's shard (default: from ``torch.distributed`` when initialized).
         pad: repeat samples so that every rank gets as many batches as the others (see
             :func:`gpufeed.sources.plan_batches`).
-        num_threads: reader threads (default: up to 8; where a CPU prefetcher has no core to spare and
-            reads on the loop's thread, that thread alone), each reading a piece of a batch. A source that
+        num_threads: reader threads (default: up to 8), each reading a piece of a batch. A source that
             spreads a read over threads of its own (``parallel_reads``: gpufeed's file sources, where the
-            native reader is built; their own ``num_threads`` says how many) is given a whole staging
-            chunk per read instead, and these threads take only the reads it cannot start itself
-            (shuffled rows gathered from a memory map). For a source that reads into device memory
-            (``reads_to == "device"``: ``H5Source(decode="gpu")``, GDS) it is also how many batches are
-            read at once, each into device memory of its own.
+            native reader is built; their own ``num_threads`` says how many) is given a whole batch per
+            read instead. For a source that reads into device memory (``reads_to == "device"``:
+            ``H5Source(decode="gpu")``, GDS) it is also how many batches are read at once, each into
+            device memory of its own.
+        pinned_budget: bytes of pinned memory the reads may hold (default 512 MiB), a few batches read
+            ahead of the one being copied; a batch larger than the budget still gets one buffer. 0 reads
+            into pageable memory. Without CUDA nothing is pinned and the value is ignored with a warning.
 
     """
 
     def __init__(self, source: BatchSource, batch_size: int, *, shuffle: bool | str = False,
                  drop_last: bool = False, seed: int = 0, rank: int | None = None,
-                 world_size: int | None = None, pad: bool = False, num_threads: int | None = None) -> None:
+                 world_size: int | None = None, pad: bool = False, num_threads: int | None = None,
+                 pinned_budget: int | None = None) -> None:
         from gpufeed.sources.base import BatchSource
 
         if not isinstance(source, BatchSource):
             raise TypeError(f"SourceLoader reads a BatchSource (RawSource, H5Source, GDSSource ...); got "
-                            f"{type(source).__name__}: wrap a Dataset in a DataLoader instead")
+                            f"{type(source).__name__}: {_what_instead(source)}")
+        if pinned_budget is not None and (not isinstance(pinned_budget, int) or pinned_budget < 0):
+            raise ValueError(f"SourceLoader: pinned_budget must be an int >= 0 (bytes), got {pinned_budget!r}")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"SourceLoader: batch_size must be an int >= 1, got {batch_size!r}")
         if shuffle not in (False, True, "blocks"):
@@ -107,7 +97,10 @@ class SourceLoader:
         self.source = source
         self.batch_size = batch_size
         self.num_threads = num_threads or min(8, os.cpu_count() or 1)  # docs/design.md: why 8 readers
-        self._threads_auto = num_threads is None
+        self.pinned_budget = pinned_budget
+        self._pool: PinnedPool | None = None  # made at the first epoch read for a CUDA device
+        self._cpu = CpuBuffers(slots=8)
+        self._warned = False
         self.config = dict(batch_size=batch_size, shuffle=shuffle, drop_last=bool(drop_last), seed=int(seed),
                            rank=rank, world_size=world_size, pad=bool(pad))
         self.epoch = 0
@@ -147,37 +140,88 @@ class SourceLoader:
         """A batch of ``epoch`` was handed out: it is the current epoch, and the next iteration a new one."""
         self.epoch, self._started, self._epoch_set = epoch, True, False
 
-    def batches(self, epoch: int, start: int = 0, *, spare_core: bool = True) -> Iterator[ReadRequest]:
-        """The read requests of ``epoch`` from batch ``start`` on; touches no state of this loader, so a
-        prefetcher's fetch thread can run it while the training thread uses the loader.
-
-        ``spare_core=False``: the loop's own thread reads them (a CPU prefetcher with no core to spare), and
-        an automatic ``num_threads`` is that thread alone: handing pieces of a batch to other threads then
-        only adds handoffs, as the loop's compute is waiting anyway (docs/design.md).
-        """
-        from gpufeed._source_batch import EpochReads
-
-        threads = 1 if self._threads_auto and not spare_core else self.num_threads
-        reads = EpochReads(self.source, self.plan(epoch), threads)
-        try:
-            for i in range(start, len(reads.plan)):
-                yield reads.take(i)
-        finally:  # stopped, failed or done: reads already started for a batch never delivered end here
-            reads.cancel()
-
-    def __iter__(self) -> Iterator[ReadRequest]:
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The next epoch's batches on the host (without a prefetcher: the loop's thread reads them)."""
         if self._resume is not None:
             (epoch, start), self._resume = self._resume, None
         else:
             epoch, start = self.upcoming_epoch(), 0
         return self._direct(epoch, start)
 
-    def _direct(self, epoch: int, start: int) -> Iterator[ReadRequest]:
-        for request in self.batches(epoch, start):
-            if request.index == start:
+    def _direct(self, epoch: int, start: int) -> Iterator[dict[str, torch.Tensor]]:
+        for i, hb in enumerate(self._read(epoch, start, torch.device("cpu")), start):
+            if i == start:
                 self.begin_epoch(epoch)
-            self._pos = (epoch, request.index + 1)  # taken by state_dict() right after the yield
-            yield request
+            self._pos = (epoch, i + 1)  # taken by state_dict() right after the yield
+            yield hb.batch
+
+    # -- what a prefetcher asks -------------------------------------------------------------------
+
+    def host_batches(self, device: torch.device, arena: Any = None) -> Iterator[HostBatch]:
+        """The next iteration's batches read for ``device`` (pinned host memory for a CUDA device), each with
+        the position after it; the resume point of :meth:`load_state_dict` holds until a batch is handed
+        out (:meth:`epoch_started`)."""
+        self._iterating = self._resume if self._resume is not None else (self.upcoming_epoch(), 0)
+        epoch, start = self._iterating
+        for i, hb in enumerate(self._read(epoch, start, device), start):
+            yield hb._replace(state=self.state_at(epoch, i + 1))
+
+    def epoch_started(self) -> None:
+        """The current iteration handed out its first batch."""
+        self._resume = None
+        self.begin_epoch(self._iterating[0])
+
+    def initial_state(self) -> dict[str, Any]:
+        """The position before the current iteration's first batch."""
+        return self.state_at(*self._iterating)
+
+    def prefetcher_state(self, last: Any) -> dict[str, Any]:
+        """A prefetcher's state: ``last`` is the position after the last batch it handed out."""
+        last = last if last is not None else self.state_dict()
+        return {"gpufeed": PREFETCHER_STATE_VERSION, "mode": "loader", "epoch": last["epoch"], "loader": last}
+
+    def load_prefetcher_state(self, state: dict[str, Any]) -> None:
+        from gpufeed.loaders.dataloader import check_state
+
+        check_state(state)
+        self.load_state_dict(state["loader"])
+        self.epoch = self._resume[0]
+
+    def free_memory(self) -> None:
+        """Free the pinned buffers that no copy reads (a later epoch allocates them again)."""
+        if self._pool is not None:
+            self._pool.clear()
+
+    def _read(self, epoch: int, start: int, device: torch.device) -> Iterator[HostBatch]:
+        from gpufeed.loaders._reads import EpochReads
+
+        stop = threading.Event()
+        reads = EpochReads(self.source, self.plan(epoch), self.num_threads, self._pinned(device),
+                           self._cpu, device, stop)
+        try:
+            for i in range(start, len(reads.plan)):
+                yield reads.take(i)
+        finally:  # stopped, failed or done: reads started for a batch never handed out end here
+            stop.set()
+            reads.cancel()
+
+    def _pinned(self, device: torch.device) -> PinnedPool | None:
+        """The pool reads for ``device`` go to (None: pageable memory, as on the CPU)."""
+        if device.type != "cuda":
+            if self.pinned_budget and not self._warned:
+                self._warned = True
+                warnings.warn(f"SourceLoader: pinned_budget={self.pinned_budget} sizes pinned reads for a CUDA "
+                              f"device; reading for {device}, batches go to pageable memory", RuntimeWarning,
+                              stacklevel=4)
+            return None
+        if self._pool is None:
+            budget = DEFAULT_PINNED_BUDGET if self.pinned_budget is None else self.pinned_budget
+            self._pool = PinnedPool(budget, pin=True)
+        if not self._pool.available and not self._warned:
+            self._warned = True
+            warn_pageable("pinned_budget is 0" if self._pool.budget == 0 else "pinned allocation failed",
+                          "raise the locked-memory limit (ulimit -l) or SourceLoader's pinned_budget")
+        return self._pool
 
     def state_at(self, epoch: int, batch: int) -> dict[str, Any]:
         """The state of the position after ``batch`` batches of ``epoch``."""
@@ -215,6 +259,12 @@ class SourceLoader:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
         return f"SourceLoader({self.source!r}, {args})"
+
+
+def _what_instead(source: Any) -> str:
+    if isinstance(source, torch.utils.data.DataLoader):
+        return "a DataLoader already makes batches: wrap it directly, CudaPrefetcher(loader)"
+    return "wrap a Dataset in a DataLoader and that in CudaPrefetcher(loader)"
 
 
 def _dist_ready() -> bool:

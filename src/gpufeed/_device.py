@@ -1,0 +1,260 @@
+"""The device stage: copies host batches to the device on one copy stream and hands them over.
+
+Every CUDA call here runs on the loop's thread, once or a few times a batch: the stream calls go straight
+to ``torch._C`` (``torch.cuda.current_stream()`` builds a new object at every call, and the context
+manager ``torch.cuda.stream`` costs more than a small batch's copy; docs/design.md, "The hot path").
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from gpufeed import _nvtx
+from gpufeed._staging import Stager
+from gpufeed._tracing import TraceRecorder
+from gpufeed._tree import flatten
+from gpufeed.host_memory import HostBatch, PinnedUnavailable, warn_pageable
+from gpufeed.stats import PrefetchStats
+
+#: One batch in this many has its copies timed with CUDA events (``PrefetchStats.copy_s``): a timed batch
+#: costs two more events, and a rate needs only a sample.
+TIME_EVERY = 16
+
+
+class DeviceBatch(NamedTuple):
+    """A batch whose copies are issued: ready once the consumer's stream waits on ``event``."""
+
+    batch: Any
+    event: Any  # torch.cuda.Event, or None on the CPU
+    state: Any
+    stream: Any  # the stream the batch's device tensors were allocated on (the consumer's then)
+    fresh: list[torch.Tensor]  # those device tensors
+
+
+class DeviceStage:
+    """Copies host batches to ``device`` and hands them to the consumer's stream.
+
+    Invariants (CUDA):
+
+    * One copy stream for the stage's whole life.
+    * A batch's device tensors are allocated on the consumer's current stream, and the copy stream waits
+      on an event recorded there after those allocations, before any of the batch's copies: memory the
+      caching allocator hands out again was freed by the consumer, so every kernel that read it was queued
+      before that event, and the copy cannot overwrite it early. No ``record_stream`` is needed for the
+      consumer, and freeing a batch makes no CUDA call (safe in a forked DataLoader worker too).
+    * One event is recorded on the copy stream after a batch's copies (and ``transform``);
+      :meth:`hand_over` makes the consumer's current stream wait on that event only.
+    * A batch's host memory is leased: its lease is called with that event right after the copies are
+      issued, and the memory's owner reuses it only once the event completed.
+
+    Without CUDA the stage hands host batches over as they are (memory with a lease is copied out first).
+    """
+
+    def __init__(self, device: torch.device, transform: Callable[[Any], Any] | None, stats: PrefetchStats,
+                 trace: TraceRecorder | None) -> None:
+        self.device = device
+        self.transform = transform
+        self.stats = stats
+        self.trace = trace
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.streams = _Streams(device, self.stream) if self.cuda else None
+        self.stager = Stager(pin=self.cuda)
+        self.pinning = self.cuda  # pageable tensors are staged through pinned memory (until it fails)
+        self._fence = torch.cuda.Event() if self.cuda else None
+        self._timed: list[tuple[Any, Any, int]] = []  # (start, end, bytes) of sampled batches in flight
+        self._count = 0
+
+    # -- copy ------------------------------------------------------------------------------------
+
+    def copy(self, hb: HostBatch) -> DeviceBatch:
+        """Issue the copies of ``hb`` (its host memory goes back once they complete). On CUDA, runs on the
+        consumer's thread, whose current stream is the consumer's."""
+        t0 = time.perf_counter()
+        with _nvtx.range("gpufeed.copy"):
+            out = self._to_cuda(hb) if self.cuda else self._to_cpu(hb)
+        if self.trace is not None:
+            self.trace.add("copy", int(t0 * 1e9), int(time.perf_counter() * 1e9), "gpufeed")
+        return out
+
+    def _to_cpu(self, hb: HostBatch) -> DeviceBatch:
+        leaves, rebuild = flatten(hb.batch)
+        moved = [t if t.device.type == "cpu" else t.cpu() for t in leaves]
+        if hb.lease is not None:  # the memory goes back now: the batch is copied out of it
+            moved = [t.clone() for t in moved]
+            hb.lease(None)
+        self.stats.add(bytes=sum(t.nbytes for t in moved))
+        batch = rebuild(moved)
+        if self.transform is not None:
+            batch = self.transform(batch)
+        return DeviceBatch(batch, None, hb.state, None, [])
+
+    def _to_cuda(self, hb: HostBatch) -> DeviceBatch:
+        leaves, rebuild = flatten(hb.batch)
+        device = self.device
+        out: list[Any] = list(leaves)
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pageable: list[int] = []
+        nbytes = 0
+        for i, t in enumerate(leaves):
+            if t.device == device:
+                continue  # already there (a source that reads to the device): not copied again
+            nbytes += t.nbytes
+            if t.is_cuda or t.is_pinned():
+                out[i] = torch.empty(t.shape, dtype=t.dtype, device=device)
+                copies.append((out[i], t))
+            else:
+                pageable.append(i)
+        jobs: list[Callable[[], None]] = []
+        if pageable:
+            staged, jobs = self.stager.prepare([leaves[i] for i in pageable], device)
+            for i, t in zip(pageable, staged, strict=True):
+                out[i] = t
+            jobs = [functools.partial(self._staged, job, [leaves[i] for i in pageable], staged) for job in jobs]
+        consumer = self.streams.current()
+        fresh = [out[i] for i, t in enumerate(leaves) if out[i] is not t]
+        start, end = self._issue(consumer, copies, jobs, nbytes)
+        batch = rebuild(out)
+        if self.transform is not None:
+            batch, fresh = self._transform(batch, fresh, consumer)
+            end.record(self.stream)
+        if hb.lease is not None:
+            hb.lease(end)
+        if start is not None:
+            self._timed.append((start, end, nbytes))
+        self._collect_timing()
+        self.stats.add(bytes=nbytes)
+        return DeviceBatch(batch, end, hb.state, consumer, fresh)
+
+    def _issue(self, consumer: Any, copies: list[tuple[torch.Tensor, torch.Tensor]],
+               jobs: list[Callable[[], None]], nbytes: int) -> tuple[Any, Any]:
+        """Fence the copy stream behind the consumer's allocations, issue the copies and jobs there, and
+        record the batch's event; the consumer's stream is current again after."""
+        streams = self.streams
+        self._fence.record(consumer)
+        self._count += 1
+        timed = self._count % TIME_EVERY == 2  # (not an epoch's first batches, which pay the start-up)
+        end = torch.cuda.Event(enable_timing=timed)
+        start = torch.cuda.Event(enable_timing=True) if timed else None
+        device = streams.enter_copy()
+        try:
+            self.stream.wait_event(self._fence)
+            if start is not None:
+                start.record(self.stream)
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+            for job in jobs:
+                job()
+            end.record(self.stream)
+        finally:
+            streams.leave_copy(device)
+        return start, end
+
+    def _staged(self, job: Callable[[], None], leaves: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        """Run one staging job; where pinned memory cannot be had, copy from pageable memory instead (and
+        say so once)."""
+        t0 = time.perf_counter()
+        if self.pinning:
+            try:
+                job()
+                self.stats.add(staged_bytes=sum(t.nbytes for t in leaves), stage_s=time.perf_counter() - t0)
+                return
+            except PinnedUnavailable:
+                self.pinning = False
+                self.stager.pin = False
+                warn_pageable("pinned allocation failed")
+        job()  # (the stager now stages through pageable clones: correct, synchronous)
+
+    def _transform(self, batch: Any, fresh: list[torch.Tensor], consumer: Any) -> tuple[Any, list[torch.Tensor]]:
+        """Apply the transform on the copy stream. Its inputs were allocated on the consumer's stream and
+        are read here on the copy stream; its outputs are allocated on the copy stream and read by the
+        consumer: both are recorded on the stream that reads them."""
+        device = self.streams.enter_copy()
+        try:
+            with _nvtx.range("gpufeed.transform"):
+                result = self.transform(batch)
+        finally:
+            self.streams.leave_copy(device)
+        outs = [t for t in flatten(result)[0] if t.device == self.device]
+        kept = {id(t) for t in outs}
+        for t in fresh:
+            if id(t) not in kept:
+                t.record_stream(self.stream)
+        for t in outs:
+            t.record_stream(consumer)
+        return result, []
+
+    def _collect_timing(self) -> None:
+        while self._timed and self._timed[0][1].query():
+            start, end, nbytes = self._timed.pop(0)
+            self.stats.add(copy_s=start.elapsed_time(end) / 1e3, timed_bytes=nbytes)
+
+    # -- hand-over ---------------------------------------------------------------------------------
+
+    def hand_over(self, item: DeviceBatch) -> Any:
+        """The batch, once the consumer's current stream waits on its event."""
+        if item.event is None:
+            return item.batch
+        stream = self.streams.current()
+        item.event.wait(stream)
+        if stream is not item.stream:  # the loop switched streams since: guard the memory on this one too
+            for t in item.fresh:
+                t.record_stream(stream)
+        return item.batch
+
+    def gpu_busy(self) -> bool:
+        """Whether the consumer's stream still runs work it queued (sampled a few times an epoch)."""
+        mark = torch.cuda.Event()
+        mark.record(self.streams.current())
+        return not mark.query()
+
+    def close(self) -> None:
+        """Wait for the copies in flight (their host memory is then free)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+            self._collect_timing()
+
+
+class _Streams:
+    """The loop's current stream on ``device``, and switches between it and the ``copy`` stream, one C call
+    each. Invariant: :meth:`current` returns the same object while the loop's current stream stays the
+    same, so callers compare streams with ``is``."""
+
+    def __init__(self, device: torch.device, copy: torch.cuda.Stream) -> None:
+        self.index = device.index  # (a CUDA device here always names its index)
+        self._get = torch._C._cuda_getCurrentStream
+        self._get_device = torch._C._cuda_getDevice
+        self._key: Any = None
+        self._current: torch.cuda.Stream | None = None
+        self._make_current: Callable[[], None] = lambda: None
+        self._make_copy_current = _setter(copy)
+
+    def current(self) -> torch.cuda.Stream:
+        key = self._get(self.index)
+        if key != self._key:
+            self._current = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+            self._make_current = _setter(self._current)
+            self._key = key
+        return self._current
+
+    def enter_copy(self) -> int:
+        """Make the copy stream (and its device) current; returns the device that was current."""
+        device = self._get_device()
+        self.current()
+        self._make_copy_current()
+        return device
+
+    def leave_copy(self, device: int) -> None:
+        self._make_current()
+        if device != self.index:
+            torch._C._cuda_setDevice(device)
+
+
+def _setter(stream: torch.cuda.Stream) -> Callable[[], None]:
+    return functools.partial(torch._C._cuda_setStream, stream_id=stream.stream_id,
+                             device_index=stream.device_index, device_type=stream.device_type)

@@ -1,0 +1,125 @@
+"""Staging pageable tensors through pinned memory to the device: :class:`Stager`.
+
+A batch's small pageable tensors are packed into one pinned block of torch's caching host allocator and
+cross the link in one copy, into one device block they are views of; a tensor larger than a chunk is
+pinned and sent chunk by chunk, so chunk ``i + 1`` fills while chunk ``i`` crosses the link.
+
+Staging is two steps, so that the device stage can fence the copies once for the whole batch:
+:meth:`Stager.prepare` allocates the device tensors (on the current stream, the consumer's) and returns
+the jobs that fill pinned memory and issue the copies, which the device stage runs on its copy stream.
+Pinned blocks are written again only after the copy that read them completed: torch's caching host
+allocator records an event on a block at every ``non_blocking`` copy from it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from gpufeed import host_memory
+
+MiB = 1 << 20
+#: One staging chunk: the unit pinned and sent to the device (docs/design.md says why 32).
+CHUNK_BYTES = 32 * MiB
+#: Each packed tensor starts on a cache line (a multiple of any dtype's size, and of 16-byte loads).
+ALIGN = 64
+#: Tensors of at most this many bytes are packed: their time on the link is a small part of what the torch
+#: calls of a copy of their own cost (docs/design.md, "Staging pageable tensors").
+PACK_LEAF_BYTES = 64 << 10
+#: A packed block's size at most: a packed tensor the loop keeps (targets gathered for a metric) keeps the
+#: whole block alive on the device, so at most this much beside it.
+PACK_BYTES = 1 << 20
+
+Job = Callable[[], None]
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of ``ALIGN``."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+class Stager:
+    """Copies pageable host tensors to the device through pinned memory.
+
+    Example:
+        >>> outs, jobs = Stager(chunk_bytes=4096, pin=False).prepare([torch.arange(3000), torch.ones(2)],
+        ...                                                           torch.device("cpu"))
+        >>> for job in jobs:
+        ...     job()
+        >>> outs[0].sum().item(), outs[1].tolist()
+        (4498500, [1.0, 1.0])
+    """
+
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, pin: bool = True) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.pin = pin
+
+    def prepare(self, tensors: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor], list[Job]]:
+        """The device tensors ``tensors`` will be copied into (allocated now, contiguous), and the jobs that
+        fill pinned memory and issue those copies on the then current stream.
+
+        A job raises :class:`~gpufeed.host_memory.PinnedUnavailable` where pinned memory cannot be had.
+        """
+        outs: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+        jobs: list[Job] = []
+        pack: list[int] = []  # the tensors of the next packed block
+        size = 0  # their bytes, each rounded up to ALIGN
+        for i, t in enumerate(tensors):
+            if t.nbytes > PACK_LEAF_BYTES or t.numel() == 0:
+                outs[i] = torch.empty(t.shape, dtype=t.dtype, device=device)
+                if t.numel():
+                    jobs.append(functools.partial(self._send, t, outs[i]))
+                continue
+            if pack and size + aligned(t.nbytes) > PACK_BYTES:
+                jobs.append(self._pack([tensors[j] for j in pack], pack, outs, device))
+                pack, size = [], 0
+            pack.append(i)
+            size += aligned(t.nbytes)
+        if pack:
+            jobs.append(self._pack([tensors[j] for j in pack], pack, outs, device))
+        return outs, jobs
+
+    def _pack(self, members: list[torch.Tensor], where: list[int], outs: list[torch.Tensor],
+              device: torch.device) -> Job:
+        """One device block for ``members``, their outputs views of it; the job fills one pinned block the
+        same way and copies it whole."""
+        offsets, end = [], 0
+        for t in members:
+            offsets.append(end)
+            end += aligned(t.nbytes)
+        dev = torch.empty(end, dtype=torch.uint8, device=device)
+        for i, t, off in zip(where, members, offsets, strict=True):
+            outs[i] = dev[off : off + t.nbytes].view(t.dtype).view(t.shape)
+
+        def job() -> None:
+            host = self._empty(end)
+            host_views = [host[off : off + t.nbytes].view(t.dtype).view(t.shape)
+                          for t, off in zip(members, offsets, strict=True)]
+            torch._foreach_copy_(host_views, members)
+            dev.copy_(host, non_blocking=True)
+
+        return job
+
+    def _send(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        """Pin ``t`` (chunk by chunk when larger than a chunk) and copy it into ``out``."""
+        t = t.contiguous()
+        if t.nbytes <= self.chunk_bytes:
+            out.copy_(self._pinned(t), non_blocking=True)
+            return
+        src, dst = byte_view(t), byte_view(out)
+        for a in range(0, src.numel(), self.chunk_bytes):
+            piece = src[a : a + self.chunk_bytes]
+            dst[a : a + piece.numel()].copy_(self._pinned(piece), non_blocking=True)
+
+    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+        return host_memory.pin(t) if self.pin else t.clone()
+
+    def _empty(self, nbytes: int) -> torch.Tensor:
+        return host_memory.pinned_empty(nbytes) if self.pin else torch.empty(nbytes, dtype=torch.uint8)

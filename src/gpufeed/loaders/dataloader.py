@@ -1,0 +1,168 @@
+"""The loader a prefetcher wraps, as a source of host batches: its epochs, ``len``, ``set_epoch``, state.
+
+Wraps any re-iterable (a DataLoader, a list, the loaders accelerate, Lightning or torchdata hand out) or a
+zero-argument callable that returns a fresh iterable each epoch. A DataLoader with workers has them
+collate into the prefetcher's worker arena (pinned shared memory), where one is given.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from gpufeed._resumable import why_not_resumable
+from gpufeed.host_memory import HostBatch
+from gpufeed.host_memory.worker_arena import SlotBatch, WorkerArena
+
+#: The version of the prefetcher's own state_dict (the wrapped loader's state sits inside it).
+STATE_VERSION = 1
+
+
+def has_workers(loader: Any) -> bool:
+    """Whether ``loader`` is a DataLoader whose batches are collated in worker processes."""
+    import torch.utils.data
+
+    return isinstance(loader, torch.utils.data.DataLoader) and loader.num_workers > 0
+
+
+def forward_set_epoch(loader: Any, epoch: int) -> None:
+    """Call ``set_epoch`` on the loader, its sampler and its batch sampler, each once."""
+    seen: set[int] = set()
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for obj in (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
+        fn = getattr(obj, "set_epoch", None)
+        if obj is not None and callable(fn) and id(obj) not in seen:
+            seen.add(id(obj))
+            fn(epoch)
+
+
+class LoaderAdapter:
+    """A wrapped loader's epochs as host batches, with the loader's state after each where it has one.
+
+    Owns the epoch of the loader it wraps: an iteration that hands out a batch is an epoch, and the next
+    iteration a new one unless :meth:`set_epoch` chose (as with a DataLoader's ``set_epoch``); an ``iter()``
+    that hands out nothing (Lightning's probe) does not count. A loader that can really give its state
+    (:func:`~gpufeed._resumable.why_not_resumable`) has it taken right after each batch.
+    """
+
+    def __init__(self, loader: Any) -> None:
+        is_factory = callable(loader) and not isinstance(loader, Iterable)
+        if not is_factory and not isinstance(loader, Iterable):
+            raise ValueError(f"CudaPrefetcher needs an iterable (a DataLoader, a SourceLoader, a list) or a "
+                             f"callable returning one; got {type(loader).__name__}")
+        self.source = loader
+        self._factory = loader if is_factory else None
+        self._one_shot = isinstance(loader, Iterator)  # a generator: used up by one epoch
+        self._iterated = False
+        self.not_resumable = why_not_resumable(loader)
+        self.epoch = 0
+        self._chosen = False  # set_epoch chose the next iteration's epoch
+        self._started = False  # the current epoch handed out a batch: the next iteration is a new one
+        self._resume: int | None = None  # the epoch to resume in, after load_state_dict
+
+    @property
+    def is_factory(self) -> bool:
+        return self._factory is not None
+
+    def __len__(self) -> int:
+        try:
+            return len(self.source)
+        except TypeError:
+            raise TypeError(f"the wrapped {type(self.source).__name__} has no len()") from None
+
+    def free_memory(self) -> None:
+        """Nothing to free: the arena is the prefetcher's."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """The next iteration's epoch; forwarded to the loader, its sampler and batch sampler."""
+        self.epoch, self._chosen = int(epoch), True
+        forward_set_epoch(self.source, self.epoch)
+
+    def epoch_started(self) -> None:
+        """The current iteration handed out its first batch."""
+        self._started, self._chosen, self._resume = True, False, None
+
+    def initial_state(self) -> Any:
+        """The state before an iteration's first batch: None, the loader's own, taken when asked (asked
+        now, a StatefulDataLoader would start its workers before the iteration hands them the arena)."""
+        return None
+
+    def prefetcher_state(self, last: Any) -> dict[str, Any]:
+        """The prefetcher's state: the epoch, and ``last``, the loader's state after the last batch handed
+        out (None: before the first)."""
+        if self.not_resumable is not None:
+            raise TypeError(f"cannot take the state of this loader: {self.not_resumable}")
+        if last is None:
+            last = self.source.state_dict()
+        return {"gpufeed": STATE_VERSION, "mode": "loader", "epoch": self.epoch, "loader": last}
+
+    def load_prefetcher_state(self, state: dict[str, Any]) -> None:
+        """Load the loader's state now; the next iteration resumes in the saved epoch."""
+        check_state(state)
+        if self.not_resumable is not None:
+            raise TypeError(f"cannot resume this loader: {self.not_resumable}")
+        self.source.load_state_dict(state["loader"])
+        self.epoch = self._resume = int(state["epoch"])
+        self._chosen = self._started = False
+
+    def host_batches(self, device: Any = None, arena: WorkerArena | None = None) -> Iterator[HostBatch]:
+        """The next iteration's host batches (a new epoch, unless this one handed out nothing yet)."""
+        if self._resume is None and self._started and not self._chosen:
+            self.epoch += 1
+        self._started = False
+        if self._one_shot and self._iterated:
+            warnings.warn(
+                f"gpufeed: the wrapped {type(self.source).__name__} is an iterator, used up by the first "
+                "epoch, so this epoch yields nothing; pass a re-iterable (a DataLoader, a list) or a "
+                "zero-argument callable that returns a fresh iterable (CudaPrefetcher(lambda: gen()))",
+                RuntimeWarning, stacklevel=4)
+            self._one_shot = False  # said once
+        self._iterated = True
+        loader = self._factory() if self._factory is not None else self.source
+        stateful = self._factory is None and self.not_resumable is None
+        return _host_batches(loader, arena, stateful)
+
+
+def _host_batches(loader: Any, arena: WorkerArena | None, stateful: bool) -> Iterator[HostBatch]:
+    """The batches of one iteration of ``loader``, those collated into ``arena`` as views of it."""
+    collate = arena.begin(loader) if arena is not None and has_workers(loader) else None
+    original = getattr(loader, "collate_fn", None)
+    if collate is not None:  # the loader's collate_fn is ours only while its iterator starts its workers
+        loader.collate_fn = collate
+    try:
+        it = iter(loader)
+    except BaseException:
+        if collate is not None:
+            arena.end()
+        raise
+    finally:
+        if collate is not None:
+            loader.collate_fn = original
+    try:
+        for batch in it:
+            state = loader.state_dict() if stateful else None
+            if type(batch) is SlotBatch:
+                views, rebuild, lease = arena.open(batch)
+                yield HostBatch(rebuild(views), lease, state)
+            else:
+                yield HostBatch(batch, None, state)
+    finally:  # the loader's iterator ends now (a DataLoader shuts its workers down), before the arena is reused
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+        del it
+        if collate is not None:
+            arena.end()
+
+
+def check_state(state: Any) -> None:
+    if not isinstance(state, dict) or "gpufeed" not in state:
+        raise ValueError(f"not a gpufeed state_dict: expected a dict from CudaPrefetcher.state_dict(), got "
+                         f"{type(state).__name__}")
+    if state["gpufeed"] != STATE_VERSION:
+        raise ValueError(f"gpufeed state version {state['gpufeed']} is not supported "
+                         f"(this gpufeed reads version {STATE_VERSION})")
+    if state.get("mode") != "loader":
+        raise ValueError(f"this state was saved by a gpufeed whose prefetcher read a BatchSource itself "
+                         f"(mode {state.get('mode')!r}); save it again with a SourceLoader")
