@@ -1,6 +1,5 @@
-"""A CPU prefetcher with no core to spare reads each batch on the loop's thread, when the loop asks for it."""
+"""An epoch runs on the loop's thread: it takes each batch from the loader when the loop asks, ``depth`` ahead."""
 
-import os
 import threading
 import time
 
@@ -8,13 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-import gpufeed.prefetcher
 from conftest import gpufeed_threads
 from gpufeed import CudaPrefetcher, RawSource, SourceLoader
 from gpufeed.sources import _pread
-
-real_core_to_spare = gpufeed.prefetcher._cpu_core_to_spare  # the suite's autouse fixture patches it
-
 
 class Pulls:
     """A loader whose iterator counts the batches pulled from it and whether it was closed."""
@@ -35,26 +30,18 @@ class Pulls:
             self.closed = True
 
 
-@pytest.mark.parametrize(("cores", "threads", "spare"),
-                         [(4, 4, False), (4, 8, False), (4, 3, True), (2, 1, True)])
-def test_a_core_is_spare_only_beside_torchs_threads(monkeypatch, cores, threads, spare):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    assert real_core_to_spare() is spare
-
-
-def test_each_batch_is_pulled_when_the_loop_asks_on_its_own_thread(inline):
+def test_each_batch_is_pulled_when_the_loop_asks_on_its_own_thread():
     loader = Pulls(5)
     got = []
     for i, batch in enumerate(CudaPrefetcher(loader, device="cpu", depth=3)):
-        assert loader.pulled == i + 1  # nothing read ahead
+        assert loader.pulled == min(5, i + 1 + 3)  # depth ahead
         assert not gpufeed_threads()
         got.append(batch["x"].tolist())
     assert got == [[i] * 3 for i in range(5)]
     assert loader.closed
 
 
-def test_an_error_arrives_at_its_batch_and_the_loader_is_closed(inline):
+def test_an_error_arrives_at_its_batch_and_the_loader_is_closed():
     loader = Pulls(6, fail_at=3)
     pf = CudaPrefetcher(loader, device="cpu")
     seen = []
@@ -70,19 +57,19 @@ def test_an_error_arrives_at_its_batch_and_the_loader_is_closed(inline):
     assert again == [0, 1, 2] and loader.closed
 
 
-def test_break_closes_the_loaders_iterator(inline):
+def test_break_closes_the_loaders_iterator():
     loader = Pulls(10)
     pf = CudaPrefetcher(loader, device="cpu")
     it = iter(pf)
     next(it)
     next(it)
     it.close()
-    assert loader.closed and loader.pulled == 2
+    assert loader.closed and loader.pulled == 2 + 2  # and depth ahead
     with pytest.raises(RuntimeError, match="stopped: closed"):
         next(it)
 
 
-def test_source_batches_read_inline_are_exact(inline, tmp_path):
+def test_source_batches_read_inline_are_exact(tmp_path):
     data = np.arange(1000 * 6, dtype=np.float32).reshape(1000, 6)
     np.save(tmp_path / "x.npy", data)
     with RawSource(fields={"x": tmp_path / "x.npy"}) as src:
@@ -116,10 +103,10 @@ class _OwnReads:
         self.src.close()
 
 
-@pytest.mark.parametrize(("num_threads", "readers"), [(None, range(0, 1)), (3, range(1, 3))])
-def test_inline_reads_use_the_loops_thread_unless_asked_for_more(inline, tmp_path, num_threads, readers):
-    """An automatic num_threads reads an inline batch with the loop's thread alone; an explicit one splits
-    it (the calling thread reads one piece, the pool the others)."""
+@pytest.mark.parametrize(("num_threads", "readers"), [(1, range(0, 1)), (3, range(1, 3))])
+def test_reads_on_the_cpu_use_the_loops_thread_and_the_readers(tmp_path, num_threads, readers):
+    """A batch read on the CPU is split among the loader's threads: the calling thread reads one piece, the
+    reader threads the others."""
     data = np.arange(4096 * 1024, dtype=np.float32).reshape(4096, 1024)  # 16 MiB: pieces of >= 4 MiB
     np.save(tmp_path / "x.npy", data)
     with RawSource(fields={"x": tmp_path / "x.npy"}, num_threads=1) as raw:
@@ -133,7 +120,7 @@ def test_inline_reads_use_the_loops_thread_unless_asked_for_more(inline, tmp_pat
 
 
 @pytest.mark.skipif(_pread.backend() != "native", reason="the native reader is not built here")
-def test_a_source_with_reads_of_its_own_gets_the_batch_in_one_read(inline, tmp_path):
+def test_a_source_with_reads_of_its_own_gets_the_batch_in_one_read(tmp_path):
     """A source that spreads a read over its own threads (``parallel_reads``) is given the whole batch in
     one call on the loop's thread, whatever the loader's num_threads."""
     data = np.arange(4096 * 1024, dtype=np.float32).reshape(4096, 1024)
@@ -168,11 +155,11 @@ class Slow(Pulls):
             self.closed = True
 
 
-def test_a_close_from_another_thread_during_a_read_ends_the_epoch_there(inline):
+def test_a_close_from_another_thread_during_a_read_ends_the_epoch_there():
     """The batch being read when another thread closes the prefetcher is not handed out: the loop gets the
     stop error, and the loader's iterator is closed by the time it does."""
-    loader = Slow(5, at=1, delay=0.5)
-    pf = CudaPrefetcher(loader, device="cpu")
+    loader = Slow(5, at=2, delay=0.5)
+    pf = CudaPrefetcher(loader, device="cpu", depth=1)
     it = iter(pf)
     assert int(next(it)["x"][0]) == 0
     closer = threading.Timer(0.1, pf.close)
@@ -180,10 +167,10 @@ def test_a_close_from_another_thread_during_a_read_ends_the_epoch_there(inline):
     with pytest.raises(RuntimeError, match="stopped: the CudaPrefetcher was closed"):
         next(it)
     closer.join()
-    assert loader.closed and loader.pulled == 2
+    assert loader.closed and loader.pulled == 3
 
 
-def test_ctrl_c_in_the_loader_arrives_at_its_batch_and_closes_the_epoch(inline):
+def test_ctrl_c_in_the_loader_arrives_at_its_batch_and_closes_the_epoch():
     class Interrupted(Pulls):
         def __iter__(self):
             try:
@@ -196,21 +183,21 @@ def test_ctrl_c_in_the_loader_arrives_at_its_batch_and_closes_the_epoch(inline):
 
     loader = Interrupted(5)
     seen = []
-    with pytest.raises(KeyboardInterrupt):
-        for batch in CudaPrefetcher(loader, device="cpu"):
+    with pytest.raises(KeyboardInterrupt):  # raised when it happens: the batches taken ahead are dropped
+        for batch in CudaPrefetcher(loader, device="cpu", depth=1):
             seen.append(int(batch["x"][0]))
-    assert seen == [0, 1] and loader.closed
+    assert seen == [0] and loader.closed
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize("stop_at", [(0, 0), (0, 5), (1, 3)])
-def test_resume_inline_yields_exactly_the_rest(inline, shuffle, stop_at):
+def test_resume_inline_yields_exactly_the_rest(shuffle, stop_at):
     from test_source_mode import test_resume_yields_exactly_the_rest as resume
 
     resume(shuffle, 2, stop_at)
 
 
-def test_static_batches_inline(inline):
+def test_static_batches_inline():
     from test_trace_and_static import test_static_batches_share_storage_and_pad_the_last as static
 
     static(torch.device("cpu"))

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import staging
 from gpufeed import CudaPrefetcher, Field, SourceLoader
 from gpufeed.sources import RawSource, plan_batches
 
@@ -51,7 +50,7 @@ def collect(pf, limit=None):
 def test_source_batches_equal_the_plan(device, shuffle, depth):
     src = ArraySource()
     with CudaPrefetcher(SourceLoader(src, batch_size=10, shuffle=shuffle, seed=4),
-                        device=device, depth=depth, **staging(device, chunk_bytes=4096)) as pf:
+                        device=device, depth=depth) as pf:
         for epoch in range(2):
             got = collect(pf)
             plan = plan_batches(len(src), 10, shuffle=shuffle, seed=4, epoch=epoch)
@@ -108,7 +107,7 @@ def test_raw_files_through_the_prefetcher(tmp_path, device):
     np.arange(257, dtype=np.int32).tofile(tmp_path / "y.bin")
     src = RawSource(fields={"x": tmp_path / "x.npy", "y": {"paths": tmp_path / "y.bin", "dtype": "int32"}})
     with CudaPrefetcher(SourceLoader(src, batch_size=32, shuffle=True),
-                        device=device, **staging(device, chunk_bytes=4096)) as pf:
+                        device=device) as pf:
         got = collect(pf)
     ys = torch.cat([b["y"] for b in got]).numpy()
     assert sorted(ys) == list(range(257))
@@ -224,7 +223,7 @@ class OddSource(ArraySource):
 def test_fields_of_odd_row_sizes(device, chunk_bytes):
     src = OddSource()
     with CudaPrefetcher(SourceLoader(src, batch_size=13, shuffle=True),
-                        device=device, **staging(device, chunk_bytes=chunk_bytes)) as pf:
+                        device=device) as pf:
         got = collect(pf)
     ys = torch.cat([b["y"] for b in got]).numpy()
     assert sorted(ys) == list(range(77))
@@ -241,43 +240,27 @@ def test_a_transform_may_change_the_structure_of_source_batches(device):
     assert torch.equal(torch.cat([x for x, _ in got]), torch.from_numpy(ArraySource().arrays["x"]) * 2)
 
 
-def test_seal_fences_the_tensors_of_the_transform_output():
-    from types import SimpleNamespace
-
-    from gpufeed._copier import Copier
-    from gpufeed.pinned_pool import PinnedPool
-
-    copier = Copier(torch.device("cpu"), None, PinnedPool(pin=False), SimpleNamespace(),
-                    lambda b: [b["x"] + 1, "tag", {"z": b["x"]}])
-    out = copier.seal({"x": torch.zeros(2)}, [], None)
-    assert [t.tolist() for t in out.fresh] == [[1.0, 1.0], [0.0, 0.0]]
-    assert out.batch[1] == "tag"
-
-
-def test_a_source_loader_yields_read_requests_of_the_plan_and_advances_its_epoch():
-    from gpufeed import ReadRequest
-
+def test_a_source_loader_yields_the_rows_of_its_plan_and_advances_its_epoch():
     loader = SourceLoader(ArraySource(), batch_size=25, shuffle=True, seed=8)
     assert len(loader) == 5 and loader.batch_size == 25
+    arrays = ArraySource().arrays
     for epoch in range(2):
-        reqs = list(loader)
-        assert all(isinstance(r, ReadRequest) for r in reqs)
+        got = [b["y"].clone() for b in loader]  # (direct iteration: host tensors reused once let go of)
         plan = plan_batches(103, 25, shuffle=True, seed=8, epoch=epoch)
-        rows = [np.asarray(list(r.rows)).tolist() for r in reqs]
-        assert rows == [np.asarray(list(p)).tolist() for p in plan]
+        assert [t.tolist() for t in got] == [arrays["y"][np.asarray(list(p))].tolist() for p in plan]
     assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["batch"] == 5
 
 
 def test_a_source_loader_resumes_after_the_last_batch_yielded():
     loader = SourceLoader(ArraySource(), batch_size=25, shuffle=True, seed=8)
     it = iter(loader)
-    head = [next(it).rows for _ in range(2)]
+    head = [next(it)["y"].tolist() for _ in range(2)]
     state = loader.state_dict()
     again = SourceLoader(ArraySource(), batch_size=25, shuffle=True, seed=8)
     again.load_state_dict(state)
-    rest = [r.rows for r in again]
+    rest = [b["y"].tolist() for b in again]
     plan = plan_batches(103, 25, shuffle=True, seed=8, epoch=0)
-    assert [np.asarray(list(r)).tolist() for r in head + rest] == [np.asarray(list(p)).tolist() for p in plan]
+    assert head + rest == [np.asarray(list(p)).tolist() for p in plan]
     with pytest.raises(ValueError, match="batch_size: saved 25, now 26"):
         SourceLoader(ArraySource(), batch_size=26).load_state_dict(state)
 
@@ -356,9 +339,9 @@ def test_a_probing_iter_after_an_epoch_does_not_skip_one():
     assert _ys(pf) == _plan(1) and pf.epoch == 1
 
 
-def test_a_source_s_reads_count_as_staging():
-    """On the CPU a batch's reads run inside its delivery: ``stage_s`` holds them (20 ms or more each),
-    ``staged_bytes`` what they read."""
+def test_a_source_s_reads_count_as_fetching():
+    """Waiting for a batch's reads is taking it from the loader: ``fetch_s`` holds them (20 ms or more
+    each); nothing is staged (the reads land in the memory the batch is copied from)."""
     class Slow(ArraySource):
         def read(self, rows, out):
             time.sleep(0.02)
@@ -366,5 +349,5 @@ def test_a_source_s_reads_count_as_staging():
 
     with CudaPrefetcher(SourceLoader(Slow(n=40), batch_size=10), device="cpu") as pf:
         assert [b["y"].tolist() for b in pf] == [list(range(i, i + 10)) for i in range(0, 40, 10)]
-    assert pf.stats.staged_bytes == pf.stats.bytes == 40 * (3 * 4 * 4 + 8)
-    assert pf.stats.stage_s >= 4 * 0.02
+    assert pf.stats.bytes == 40 * (3 * 4 * 4 + 8) and pf.stats.staged_bytes == 0
+    assert pf.stats.fetch_s >= 4 * 0.02

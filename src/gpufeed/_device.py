@@ -76,8 +76,15 @@ class DeviceStage:
         """Issue the copies of ``hb`` (its host memory goes back once they complete). On CUDA, runs on the
         consumer's thread, whose current stream is the consumer's."""
         t0 = time.perf_counter()
-        with _nvtx.range("gpufeed.copy"):
-            out = self._to_cuda(hb) if self.cuda else self._to_cpu(hb)
+        try:
+            with _nvtx.range("gpufeed.copy"):
+                out = self._to_cuda(hb) if self.cuda else self._to_cpu(hb)
+        except BaseException:  # (the lease is the last step of a copy: not called yet) the memory goes back
+            if hb.lease is not None:
+                if self.stream is not None:
+                    self.stream.synchronize()
+                hb.lease(None)
+            raise
         if self.trace is not None:
             self.trace.add("copy", int(t0 * 1e9), int(time.perf_counter() * 1e9), "gpufeed")
         return out
@@ -85,13 +92,14 @@ class DeviceStage:
     def _to_cpu(self, hb: HostBatch) -> DeviceBatch:
         leaves, rebuild = flatten(hb.batch)
         moved = [t if t.device.type == "cpu" else t.cpu() for t in leaves]
-        if hb.lease is not None:  # the memory goes back now: the batch is copied out of it
+        if hb.lease is not None:  # the memory goes back: the batch is copied out of it
             moved = [t.clone() for t in moved]
-            hb.lease(None)
-        self.stats.add(bytes=sum(t.nbytes for t in moved))
         batch = rebuild(moved)
         if self.transform is not None:
             batch = self.transform(batch)
+        if hb.lease is not None:
+            hb.lease(None)
+        self.stats.add(bytes=sum(t.nbytes for t in moved))
         return DeviceBatch(batch, None, hb.state, None, [])
 
     def _to_cuda(self, hb: HostBatch) -> DeviceBatch:

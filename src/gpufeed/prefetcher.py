@@ -111,7 +111,8 @@ class CudaPrefetcher:
 
     @property
     def epoch(self) -> int:
-        return self._loader.epoch
+        """The epoch of the current iteration (or the one resumed in, or the next)."""
+        return self._loader.iteration_epoch
 
     def __len__(self) -> int:
         return len(self._loader)
@@ -255,23 +256,21 @@ class _Epoch:
     def _fill(self) -> None:
         """Take batches from the loader and issue their copies until ``depth`` are ahead of the next one."""
         stage, stats, trace = self._stage, self._stats, self._pf._trace
-        while not self._ended and len(self._ahead) <= self._pf.depth:
+        while not self._ended and not self._done and len(self._ahead) <= self._pf.depth:
             t0 = time.perf_counter()
             try:
                 with _nvtx.range("gpufeed.fetch"):
                     hb = next(self._batches)
+                t1 = time.perf_counter()
+                stats.fetch_s += t1 - t0
+                if trace is not None:
+                    trace.add("fetch", int(t0 * 1e9), int(t1 * 1e9), "gpufeed")
+                self._ahead.append(stage.copy(hb))
             except StopIteration:
                 self._ended = True
-                return
-            except Exception as exc:  # re-raised in its turn, after the batches before it
+            except Exception as exc:  # (the loader's, or the transform's) re-raised after the batches before it
                 self._ahead.append(Failure.caught(exc))
                 self._ended = True
-                return
-            t1 = time.perf_counter()
-            stats.fetch_s += t1 - t0
-            if trace is not None:
-                trace.add("fetch", int(t0 * 1e9), int(t1 * 1e9), "gpufeed")
-            self._ahead.append(stage.copy(hb))
 
     def _hand_over(self, item: DeviceBatch, t0: float) -> Any:
         pf = self._pf
@@ -389,7 +388,7 @@ def _unexpected_message(kwargs: dict[str, Any]) -> str:
         close = difflib.get_close_matches(name, _ARGS, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else f" (it takes {', '.join(_ARGS)})"
         return f"CudaPrefetcher() got an unexpected keyword argument {name!r}{hint}"
-    return (f"CudaPrefetcher() got {', '.join(moved)}: reading and batching belong to the loader it wraps: "
+    return (f"CudaPrefetcher() got {', '.join(moved)}: batching belongs to the loader it wraps: "
             f"CudaPrefetcher(SourceLoader(source, {moved[0]}=...)) for a BatchSource, or the DataLoader's "
             "own arguments (a DistributedSampler for rank and world_size)")
 

@@ -96,7 +96,7 @@ class EpochReads:
 
     def _submit_pieces(self, rows: Any, out: dict[str, torch.Tensor], first_here: bool = False) -> list[Any]:
         n = len(rows)
-        if self.submits:
+        if self.submits and not first_here:  # (on the CPU the loop's thread reads: the source's threads spread it)
             try:
                 pending = self.source.submit(rows, out)
             except Exception as exc:  # raised by this batch's read, in its turn

@@ -71,6 +71,11 @@ class LoaderAdapter:
         except TypeError:
             raise TypeError(f"the wrapped {type(self.source).__name__} has no len()") from None
 
+    @property
+    def iteration_epoch(self) -> int:
+        """The epoch of the current (or next) iteration."""
+        return self.epoch
+
     def free_memory(self) -> None:
         """Nothing to free: the arena is the prefetcher's."""
 

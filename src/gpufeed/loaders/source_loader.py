@@ -101,6 +101,7 @@ class SourceLoader:
         self._pool: PinnedPool | None = None  # made at the first epoch read for a CUDA device
         self._cpu = CpuBuffers(slots=8)
         self._warned = False
+        self._iterating = (0, 0)  # (epoch, first batch) of the iteration a prefetcher runs
         self.config = dict(batch_size=batch_size, shuffle=shuffle, drop_last=bool(drop_last), seed=int(seed),
                            rank=rank, world_size=world_size, pad=bool(pad))
         self.epoch = 0
@@ -162,9 +163,16 @@ class SourceLoader:
         the position after it; the resume point of :meth:`load_state_dict` holds until a batch is handed
         out (:meth:`epoch_started`)."""
         self._iterating = self._resume if self._resume is not None else (self.upcoming_epoch(), 0)
-        epoch, start = self._iterating
+        return self._with_state(*self._iterating, device)
+
+    def _with_state(self, epoch: int, start: int, device: torch.device) -> Iterator[HostBatch]:
         for i, hb in enumerate(self._read(epoch, start, device), start):
             yield hb._replace(state=self.state_at(epoch, i + 1))
+
+    @property
+    def iteration_epoch(self) -> int:
+        """The epoch of the iteration a prefetcher runs (or last ran, or resumes in)."""
+        return self._iterating[0]
 
     def epoch_started(self) -> None:
         """The current iteration handed out its first batch."""
@@ -185,7 +193,7 @@ class SourceLoader:
 
         check_state(state)
         self.load_state_dict(state["loader"])
-        self.epoch = self._resume[0]
+        self._iterating = self._resume
 
     def free_memory(self) -> None:
         """Free the pinned buffers that no copy reads (a later epoch allocates them again)."""
