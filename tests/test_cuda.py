@@ -236,11 +236,11 @@ def test_dataloader_workers_collate_into_pinned_slots_that_a_copy_reads_before_t
             assert x.is_cuda and i.tolist() == list(range(start, start + 4))
             assert torch.equal(x[:, -1].cpu(), i.float().cpu())
             assert (x == i[:, None].float()).all()
-        slots = list(pf._slots._slots.values())
+        slots = list(pf._arena._slots.values())
         assert slots and all(s.is_pinned() for s in slots)  # registered with CUDA: the copy engine reads them
     assert pf.stats.slot_batches == 48 and pf.stats.staged_bytes == 0
     pf.close()
-    assert not pf._slots._registered and not pf._slots._slots
+    assert not pf._arena._registered and not pf._arena._slots
 
 
 def test_worker_slots_off_or_pinning_off_leaves_the_dataloader_hand_over_as_it_is():
@@ -249,7 +249,7 @@ def test_worker_slots_off_or_pinning_off_leaves_the_dataloader_hand_over_as_it_i
         warns = pytest.warns(RuntimeWarning) if "pinned_budget" in kw else contextlib.nullcontext()
         with warns, CudaPrefetcher(loader, **kw) as pf:
             assert [int(i[0]) for _, i in pf] == list(range(0, 96, 8))
-        assert pf.stats.slot_batches == 0 and pf._slots is None
+        assert pf.stats.slot_batches == 0 and pf._arena is None
     with pytest.raises(ValueError, match="pinned_budget=0"):
         loader = torch.utils.data.DataLoader(Images(), num_workers=1)
         CudaPrefetcher(loader, worker_slots=True, pinned_budget=0)
@@ -258,7 +258,7 @@ def test_worker_slots_off_or_pinning_off_leaves_the_dataloader_hand_over_as_it_i
 def test_slots_that_cannot_be_pinned_are_staged_with_one_warning(monkeypatch):
     """cudaHostRegister refused (the locked-memory limit): one warning, and the slots' batches are staged as
     pageable ones, exactly."""
-    import gpufeed._worker_slots as ws
+    import gpufeed.host_memory as ws
 
     class Refusing:
         def cudaHostRegister(self, ptr, size, flags):
@@ -271,4 +271,4 @@ def test_slots_that_cannot_be_pinned_are_staged_with_one_warning(monkeypatch):
             assert [int(i[0]) for _, i in pf] == list(range(0, 96, 8))
             assert all(torch.equal(x[:, 0], i.float()) for x, i in pf)
     assert sum("cannot pin" in str(w.message) for w in caught) == 1
-    assert pf.stats.slot_batches == 48 and pf.stats.staged_bytes > 0 and not pf._slots._registered
+    assert pf.stats.slot_batches == 48 and pf.stats.staged_bytes > 0 and not pf._arena._registered

@@ -93,7 +93,7 @@ def test_tuning_page_states_the_code_defaults():
     import inspect
 
     from gpufeed import CudaPrefetcher
-    from gpufeed.staging import DEFAULT_CHUNK_BYTES, DEFAULT_PINNED_BUDGET
+    from gpufeed.host_memory.pinned_pool import DEFAULT_PINNED_BUDGET
 
     rows = _tuning_defaults()
     sig = inspect.signature(CudaPrefetcher)

@@ -6,14 +6,15 @@ import time
 import pytest
 import torch
 
-from gpufeed.pinned_pool import PinnedPool
-from gpufeed.staging import PACK_BYTES, PACK_LEAF_BYTES, Stager
+from gpufeed._staging import PACK_BYTES, PACK_LEAF_BYTES, Stager
+from gpufeed._threads import Stopped
+from gpufeed.host_memory.pinned_pool import PinnedPool
 
 STOP = threading.Event()
 
 
 def test_pool_reuses_buffers_and_stays_in_budget():
-    pool = PinnedPool(budget=64 << 10, chunk_bytes=16 << 10, pin=False)
+    pool = PinnedPool(budget=64 << 10, pin=False)
     a = pool.acquire(10 << 10, STOP)
     b = pool.acquire(16 << 10, STOP)
     assert a.nbytes == b.nbytes == 16 << 10 and pool.allocations == 2
@@ -29,7 +30,7 @@ def test_pool_reuses_buffers_and_stays_in_budget():
 
 
 def test_a_request_larger_than_the_budget_is_served_alone():
-    pool = PinnedPool(budget=32 << 10, chunk_bytes=16 << 10, pin=False)
+    pool = PinnedPool(budget=32 << 10, pin=False)
     buf = pool.acquire(100 << 10, STOP)
     assert buf.nbytes >= 100 << 10
     pool.release(buf, None)
@@ -38,9 +39,7 @@ def test_a_request_larger_than_the_budget_is_served_alone():
 
 
 def test_acquire_gives_up_when_stopped():
-    from gpufeed._worker import Stopped
-
-    pool = PinnedPool(budget=16 << 10, chunk_bytes=16 << 10, pin=False)
+    pool = PinnedPool(budget=16 << 10, pin=False)
     pool.acquire(16 << 10, STOP)  # the whole budget
     stop = threading.Event()
     threading.Timer(0.05, stop.set).start()
@@ -50,7 +49,7 @@ def test_acquire_gives_up_when_stopped():
 
 def test_acquire_waits_for_a_buffer_to_come_back_and_takes_it_at_once():
     """Every buffer out: acquire blocks until one is released, then takes that one."""
-    pool = PinnedPool(budget=16 << 10, chunk_bytes=16 << 10, pin=False)
+    pool = PinnedPool(budget=16 << 10, pin=False)
     held = pool.acquire(16 << 10, STOP)  # the whole budget
     threading.Timer(0.2, pool.release, (held, None)).start()
     t0 = time.perf_counter()
@@ -59,11 +58,23 @@ def test_acquire_waits_for_a_buffer_to_come_back_and_takes_it_at_once():
     assert got is held and 0.15 < waited < 5.0
 
 
+def stage(stager, leaves):
+    """The leaves on the (CPU) device, and the distinct device allocations they are views of."""
+    outs, jobs = stager.prepare(leaves, torch.device("cpu"))
+    for job in jobs:
+        job()
+    storages = {}
+    for m in outs:
+        if m.numel():
+            storages.setdefault(m.untyped_storage().data_ptr(), m.untyped_storage().nbytes())
+    return outs, storages
+
+
 @pytest.mark.parametrize("chunk_bytes", [4096, 5000, 1 << 20])
 @pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 100_000, (1 << 20) + 3])
 def test_stager_copies_every_byte_whole_or_in_chunks(nbytes, chunk_bytes):
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    out = Stager(chunk_bytes, pin=False).to(src, torch.device("cpu"))
+    (out,), _ = stage(Stager(chunk_bytes, pin=False), [src])
     assert torch.equal(out, src) and (nbytes == 0 or out.data_ptr() != src.data_ptr())
 
 
@@ -71,13 +82,19 @@ def test_stager_copies_every_byte_whole_or_in_chunks(nbytes, chunk_bytes):
 def test_stager_keeps_dtype_and_shape_and_delivers_a_non_contiguous_tensor_contiguous(chunk_bytes):
     for t in (torch.randn(64, 48, dtype=torch.float64)[:, ::2], torch.tensor(True), torch.empty(0, 4),
               torch.arange(3000, dtype=torch.int16).view(30, 100).t()):
-        out = Stager(chunk_bytes, pin=False).to(t, torch.device("cpu"))
+        (out,), _ = stage(Stager(chunk_bytes, pin=False), [t])
         assert torch.equal(out, t) and out.dtype == t.dtype and out.shape == t.shape and out.is_contiguous()
 
 
-def test_stager_rejects_a_tiny_chunk():
-    with pytest.raises(ValueError, match="chunk_bytes must be >= 4096, got 64"):
-        Stager(64)
+def test_prepare_allocates_before_any_copy_and_the_jobs_fill():
+    """The device stage fences its copy stream after the allocations: prepare() copies nothing."""
+    t = torch.arange(100_000, dtype=torch.int32)
+    (out,), jobs = Stager(4096, pin=False).prepare([t], torch.device("cpu"))
+    out.zero_()
+    assert not torch.equal(out, t)
+    for job in jobs:
+        job()
+    assert torch.equal(out, t)
 
 
 def _leaves():
@@ -90,24 +107,15 @@ def _leaves():
             torch.randn(1, generator=g).expand(50), torch.empty(3, 0, dtype=torch.int16)]
 
 
-@pytest.mark.parametrize("chunk_bytes", [4096, 20_000, 1 << 20])
-def test_stage_packs_small_tensors_and_delivers_each_exact_and_on_its_own(chunk_bytes):
+def test_stage_packs_small_tensors_and_delivers_each_exact_and_on_its_own():
     leaves = [*_leaves(), torch.arange(PACK_LEAF_BYTES // 4 + 1, dtype=torch.int32)]  # one too big to pack
-    moved, allocations = Stager(chunk_bytes, pin=False).stage(leaves, torch.device("cpu"))
+    moved, allocations = stage(Stager(1 << 20, pin=False), leaves)
     for t, m in zip(leaves, moved, strict=True):
         assert torch.equal(m, t) and m.dtype == t.dtype and m.shape == t.shape and m.is_contiguous()
-    limit = min(chunk_bytes, PACK_BYTES)
-    alone = [t for t in leaves if t.nbytes > min(PACK_LEAF_BYTES, limit)]
-    packed = sum(-(-t.nbytes // 64) * 64 for t in leaves if t.nbytes <= min(PACK_LEAF_BYTES, limit))
-    assert len(allocations) >= len(alone) + -(-packed // limit)  # no buffer holds more than its limit
-    assert max(a.nbytes for a in allocations) <= max(limit, max(t.nbytes for t in alone))
-    if chunk_bytes == 1 << 20:
-        assert len(allocations) == 2  # the big one alone, every other leaf in one buffer
-    views = {m.untyped_storage().data_ptr() for m in moved if m.numel()}
-    assert views <= {a.untyped_storage().data_ptr() for a in allocations}  # views of the allocations
+    assert len(allocations) == 2  # the big one alone, every other leaf in one block
     for m in moved:
         assert m.numel() == 0 or m.data_ptr() % 64 == 0  # each on a cache line
-    moved[1].fill_(0)  # a view of the same buffer as its neighbours: they stay intact
+    moved[1].fill_(0)  # a view of the same block as its neighbours: they stay intact
     assert all(torch.equal(m, t) for m, t in zip(moved[2:], leaves[2:], strict=True))
     assert torch.equal(moved[0], leaves[0])
 
@@ -115,15 +123,15 @@ def test_stage_packs_small_tensors_and_delivers_each_exact_and_on_its_own(chunk_
 def test_stage_sends_a_tensor_larger_than_a_chunk_alone_in_chunks():
     big = torch.randint(0, 256, (3 * 4096 + 5,), dtype=torch.uint8)
     small = torch.arange(10)
-    moved, allocations = Stager(4096, pin=False).stage([small, big, small], torch.device("cpu"))
+    moved, allocations = stage(Stager(4096, pin=False), [small, big, small])
     assert torch.equal(moved[1], big) and torch.equal(moved[0], small) and torch.equal(moved[2], small)
-    assert len(allocations) == 2 and allocations[0] is moved[1]  # the big one, then one buffer of both smalls
+    assert len(allocations) == 2  # the big one, then one block of both smalls
 
 
 def test_a_packed_buffer_holds_at_most_pack_bytes():
-    """A leaf the loop keeps keeps its buffer alive: no buffer is larger than PACK_BYTES."""
+    """A leaf the loop keeps keeps its block alive: no block is larger than PACK_BYTES."""
     leaves = [torch.full((PACK_LEAF_BYTES // 8,), i, dtype=torch.int64) for i in range(40)]  # 40 x 64 KiB
-    moved, allocations = Stager(32 << 20, pin=False).stage(leaves, torch.device("cpu"))
+    moved, allocations = stage(Stager(32 << 20, pin=False), leaves)
     assert all(torch.equal(m, t) for m, t in zip(moved, leaves, strict=True))
-    assert len(allocations) == -(-40 * PACK_LEAF_BYTES // PACK_BYTES) and all(
-        a.nbytes <= PACK_BYTES for a in allocations)
+    assert len(allocations) == -(-40 * PACK_LEAF_BYTES // PACK_BYTES)
+    assert all(n <= PACK_BYTES for n in allocations.values())

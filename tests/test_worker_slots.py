@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from gpufeed import CudaPrefetcher
-from gpufeed._worker_slots import SLOT_GRAIN, SlotBatch, SlotCollate, WorkerSlots
+from gpufeed.host_memory.worker_arena import SLOT_GRAIN, SlotBatch, SlotCollate, WorkerArena
 
 Pair = collections.namedtuple("Pair", "a b")
 ROW = 1 << 16  # float32 elements of ``x`` a sample: 256 KiB, so that batch sizes cross slot sizes
@@ -78,12 +78,12 @@ def test_every_batch_is_exact_and_crosses_in_a_slot_over_epochs():
         for batch, idx in zip(pf, sampler, strict=True):
             assert_same(batch, default_collate([ds[i] for i in idx]))
         assert pf.stats.slot_batches == (epoch + 1) * len(sampler)
-        slots = pf._slots._slots
+        slots = pf._arena._slots
         assert 0 < len(slots) <= loader.num_workers * per_worker
         assert sum(s.nbytes for s in slots.values()) <= len(slots) * (largest + SLOT_GRAIN)  # bounded
     assert loader.collate_fn is default_collate  # the user's loader is left as it was
     pf.close()
-    assert not pf._slots._slots
+    assert not pf._arena._slots
 
 
 def test_new_workers_are_handed_the_slots_of_the_epoch_before():
@@ -95,7 +95,7 @@ def test_new_workers_are_handed_the_slots_of_the_epoch_before():
     for _ in range(3):
         for b, start in zip(pf, range(0, 48, 4), strict=True):
             assert b["i"].tolist() == list(range(start, start + 4))
-        seen.append({i: s.data_ptr() for i, s in pf._slots._slots.items()})
+        seen.append({i: s.data_ptr() for i, s in pf._arena._slots.items()})
     assert seen[0].items() <= seen[1].items() <= seen[2].items()  # none replaced: every batch fits
     assert pf.stats.slot_batches == 36
     pf.close()
@@ -107,7 +107,7 @@ def test_each_worker_s_slots_are_installed_with_its_first_batch():
     it = iter(pf)
     firsts = [next(it) for _ in range(3)]  # one from each worker
     assert [b["i"].tolist()[0] for b in firsts] == [0, 4, 8]
-    assert len(pf._slots._slots) == 3 * 3  # 2 queued a worker, and its share of the prefetcher's 3
+    assert len(pf._arena._slots) == 3 * 3  # 2 queued a worker, and its share of the prefetcher's 3
     assert [b["i"].tolist()[0] for b in it] == list(range(12, 72, 4))
     assert pf.stats.slot_batches == 18
     pf.close()
@@ -164,8 +164,7 @@ class Calls(Dataset):
         return {"x": torch.full((n,), self.calls % 256, dtype=torch.uint8), "calls": self.calls}
 
 
-def test_persistent_workers_resend_a_slot_whose_batch_a_broken_off_epoch_dropped(inline):
-    # inline: a fetch thread would take the queued batches, and install their slots, before the break
+def test_persistent_workers_resend_a_slot_whose_batch_a_broken_off_epoch_dropped():
     loader = DataLoader(Calls(), batch_size=1, num_workers=1, persistent_workers=True)
     pf = CudaPrefetcher(loader, device="cpu", worker_slots=True)
     for k, _ in enumerate(pf):
@@ -178,9 +177,7 @@ def test_persistent_workers_resend_a_slot_whose_batch_a_broken_off_epoch_dropped
     pf.close()
 
 
-def test_a_stateful_dataloader_collates_into_slots_from_its_first_epoch_and_resumes(inline):
-    # inline: the suite's autouse fixture would move the epoch to a fetch thread at its 3rd batch, which
-    # then reads up to depth slot batches ahead while the count below is taken
+def test_a_stateful_dataloader_collates_into_slots_from_its_first_epoch_and_resumes():
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
     for persistent in (False, True):
         loader = stateful.StatefulDataLoader(Items(40), batch_size=4, num_workers=2,
@@ -189,7 +186,7 @@ def test_a_stateful_dataloader_collates_into_slots_from_its_first_epoch_and_resu
         it = iter(pf)
         assert [next(it)["i"][0].item() for _ in range(4)] == [0, 4, 8, 12]
         state = pf.state_dict()
-        assert pf.stats.slot_batches == 4
+        assert pf.stats.slot_batches == 4 + pf.depth  # those taken, and depth ahead
         pf.close()
         resumed = stateful.StatefulDataLoader(Items(40), batch_size=4, num_workers=2,
                                               persistent_workers=persistent)
@@ -242,7 +239,7 @@ def test_a_broken_off_epoch_frees_its_slots_for_the_next():
     before = pf.stats.slot_batches
     assert [b["i"].tolist()[0] for b in pf] == list(range(0, 64, 4))
     assert pf.stats.slot_batches - before == 16  # none of the slots the broken-off batches held is lost
-    assert len(pf._slots._slots) <= loader.num_workers * (loader.prefetch_factor + 2)
+    assert len(pf._arena._slots) <= loader.num_workers * (loader.prefetch_factor + 2)
     pf.close()
 
 
@@ -361,11 +358,11 @@ def in_worker(monkeypatch):
 
 
 class Loader(types.SimpleNamespace):
-    """What ``WorkerSlots.begin`` reads of a DataLoader (and, as a DataLoader, weakly referable)."""
+    """What ``WorkerArena.begin`` reads of a DataLoader (and, as a DataLoader, weakly referable)."""
 
 
 def slot_collate(per_worker=1):
-    slots = WorkerSlots(pin=False)
+    slots = WorkerArena(pin=False)
     loader = Loader(prefetch_factor=per_worker - 2, num_workers=1, collate_fn=default_collate)
     return slots, slots.begin(loader)
 
@@ -385,8 +382,8 @@ def test_a_worker_without_a_free_slot_sends_the_batch_as_it_is_and_reuses_a_rele
     assert batch["x"].tolist() == [[1.0] * 4, [2.0] * 4]
     plain = collate(rows[::-1])  # the only slot is leased: the batch goes as the DataLoader would send it
     assert type(plain) is dict and plain["x"][0].tolist() == [2.0] * 4
-    release()
-    release()  # a second call does nothing
+    release(None)
+    release(None)  # a second call does nothing
     again = collate(rows[::-1])
     assert isinstance(again, SlotBatch) and again.new == {} and again.sid == first.sid
     assert opened(slots, again)[0]["x"][0].tolist() == [2.0] * 4
@@ -397,7 +394,7 @@ def test_a_free_slot_too_small_is_replaced(in_worker):
     slots, collate = slot_collate(per_worker=1)
     small = collate([torch.zeros(8)])
     _, release = opened(slots, small)
-    release()
+    release(None)
     big = collate([torch.arange(SLOT_GRAIN // 4 + 1, dtype=torch.float32)])  # more than the slot holds
     assert big.sid == small.sid and list(big.new) == [big.sid]
     gen, slot = big.new[big.sid]
@@ -410,7 +407,7 @@ def test_a_free_slot_too_small_is_replaced(in_worker):
 def test_a_worker_makes_the_slots_the_pipeline_holds_at_its_first_batch(in_worker):
     """Made with the first batch and installed with it (each is registered with CUDA there), so none is
     made mid-epoch; a batch that brings slots the main process already has installs nothing."""
-    slots = WorkerSlots(pin=False, depth=2)
+    slots = WorkerArena(pin=False, depth=2)
     loader = Loader(prefetch_factor=2, num_workers=4, collate_fn=default_collate)
     collate = slots.begin(loader)
     assert collate.ahead == 3  # 2 queued, and its share of the 4 batches the prefetcher holds (depth + 2)
@@ -471,7 +468,7 @@ class Slow(Dataset):
         return torch.full((1 << 18,), float(i))
 
 
-def test_a_slot_batch_arriving_after_another_thread_closed_is_dropped_and_installs_nothing(inline):
+def test_a_slot_batch_arriving_after_another_thread_closed_is_dropped_and_installs_nothing():
     # inline: the loop's thread itself waits for the batch when the close() lands
     pf = CudaPrefetcher(DataLoader(Slow(), batch_size=2, num_workers=1), device="cpu", worker_slots=True)
     it = iter(pf)
@@ -480,7 +477,7 @@ def test_a_slot_batch_arriving_after_another_thread_closed_is_dropped_and_instal
     with pytest.raises(RuntimeError, match="stopped: the CudaPrefetcher was closed"):
         next(it)
     closer.join()
-    assert pf._slots._slots == {} and pf.stats.slot_batches == 0
+    assert pf._arena._slots == {} and pf.stats.slot_batches == 0
 
 
 def _mapped_mib(pid, mib):

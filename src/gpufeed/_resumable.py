@@ -12,8 +12,14 @@ def why_not_resumable(loader: Any) -> str | None:
     if not (callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))):
         return (f"a {name} has no state_dict(). Wrap a torchdata StatefulDataLoader "
                 "(pip install 'gpufeed[resume]') or a SourceLoader")
-    try:
-        loader.state_dict()
-    except Exception as exc:  # a wrapper whose state_dict() works only in a mode it is not in
-        return f"{name}.state_dict() raised {type(exc).__name__}: {exc}"
     return None
+
+
+def take_state(loader: Any) -> tuple[Any, str | None]:
+    """``loader.state_dict()``, or None and why it cannot be taken (a wrapper whose ``state_dict`` works only
+    in a mode it is not in). Asked right after a batch: asked before its iteration, a loader with workers
+    could start them."""
+    try:
+        return loader.state_dict(), None
+    except Exception as exc:
+        return None, f"{type(loader).__name__}.state_dict() raised {type(exc).__name__}: {exc}"

@@ -69,15 +69,16 @@ class Stager:
         """
         outs: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
         jobs: list[Job] = []
+        limit = min(self.chunk_bytes, PACK_BYTES)  # a packed block's size at most
         pack: list[int] = []  # the tensors of the next packed block
         size = 0  # their bytes, each rounded up to ALIGN
         for i, t in enumerate(tensors):
-            if t.nbytes > PACK_LEAF_BYTES or t.numel() == 0:
+            if t.nbytes > min(PACK_LEAF_BYTES, limit) or t.numel() == 0:
                 outs[i] = torch.empty(t.shape, dtype=t.dtype, device=device)
                 if t.numel():
                     jobs.append(functools.partial(self._send, t, outs[i]))
                 continue
-            if pack and size + aligned(t.nbytes) > PACK_BYTES:
+            if pack and size + aligned(t.nbytes) > limit:
                 jobs.append(self._pack([tensors[j] for j in pack], pack, outs, device))
                 pack, size = [], 0
             pack.append(i)

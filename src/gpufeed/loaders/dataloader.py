@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from gpufeed._resumable import why_not_resumable
+from gpufeed._resumable import take_state, why_not_resumable
 from gpufeed.host_memory import HostBatch
 from gpufeed.host_memory.worker_arena import SlotBatch, WorkerArena
 
@@ -125,11 +125,25 @@ class LoaderAdapter:
             self._one_shot = False  # said once
         self._iterated = True
         loader = self._factory() if self._factory is not None else self.source
+        return self._host_batches(loader, arena)
+
+    def _host_batches(self, loader: Any, arena: WorkerArena | None) -> Iterator[HostBatch]:
+        """The batches of one iteration of ``loader``, those collated into ``arena`` as views of it, each
+        with the loader's state after it (where that can be taken: the first refusal says why not)."""
         stateful = self._factory is None and self.not_resumable is None
-        return _host_batches(loader, arena, stateful)
+        batches = _batches(loader, arena)
+        try:
+            for batch in batches:
+                state = None
+                if stateful:
+                    state, self.not_resumable = take_state(loader)
+                    stateful = self.not_resumable is None
+                yield batch._replace(state=state) if state is not None else batch
+        finally:
+            batches.close()  # the loader's iteration ends now, on this thread
 
 
-def _host_batches(loader: Any, arena: WorkerArena | None, stateful: bool) -> Iterator[HostBatch]:
+def _batches(loader: Any, arena: WorkerArena | None) -> Iterator[HostBatch]:
     """The batches of one iteration of ``loader``, those collated into ``arena`` as views of it."""
     collate = arena.begin(loader) if arena is not None and has_workers(loader) else None
     original = getattr(loader, "collate_fn", None)
@@ -146,12 +160,11 @@ def _host_batches(loader: Any, arena: WorkerArena | None, stateful: bool) -> Ite
             loader.collate_fn = original
     try:
         for batch in it:
-            state = loader.state_dict() if stateful else None
             if type(batch) is SlotBatch:
                 views, rebuild, lease = arena.open(batch)
-                yield HostBatch(rebuild(views), lease, state)
+                yield HostBatch(rebuild(views), lease)
             else:
-                yield HostBatch(batch, None, state)
+                yield HostBatch(batch)
     finally:  # the loader's iterator ends now (a DataLoader shuts its workers down), before the arena is reused
         close = getattr(it, "close", None)
         if close is not None:
