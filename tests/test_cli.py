@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpufeed import _cli_bench, _cli_doctor
+from gpufeed import _cli_bench, _cli_doctor, _cli_util
 from gpufeed._cli_util import format_bytes, parse_size, table
 from gpufeed.cli import main
 
@@ -107,7 +107,7 @@ def bench_cpu(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run(
         [sys.executable, "-m", "gpufeed.cli", "bench", "--size", SIZE, "--device", "cpu", "--out", str(out),
-         "--workers", "1", "--batch-size", "512"],
+         "--workers", "1", "--batch-size", "512", "--min-seconds", "0.1", "--repeat", "3"],
         capture_output=True, text=True, timeout=120,
     )
     return proc.returncode, proc.stdout, proc.stderr, out
@@ -117,31 +117,39 @@ def test_bench_cpu_writes_json_with_every_method(bench_cpu):
     rc, stdout, stderr, out = bench_cpu
     assert rc == 0, stderr + stdout
     doc = json.loads((out / "bench.json").read_text())
-    assert set(doc) == {"gpufeed", "torch", "python", "device", "device_name", "cuda", "note", "config",
-                        "methods"}
+    assert set(doc) == {"gpufeed", "torch", "python", "device", "device_name", "cuda", "note", "read_path",
+                        "config", "methods", "verdict"}
     assert doc["device"] == "cpu" and doc["cuda"] is False
     assert doc["note"] == " ".join(_cli_bench.CPU_NOTE)
+    assert doc["read_path"] == {"native": _cli_util.native_reader()[0], "description": _cli_bench.read_path()}
     rows = (8 << 20) // ROW
     assert doc["config"] == {
         "size_bytes": rows * ROW, "rows": rows, "row_bytes": ROW, "batch_size": 512,
-        "batches": -(-rows // 512), "workers": 1, "depth": 2, "cpu_count": os.cpu_count(),
+        "batches": -(-rows // 512), "workers": 1, "depth": 2, "rounds": 3, "min_seconds": 0.1,
+        "cpu_count": os.cpu_count(),
     }
     assert [m["key"] for m in doc["methods"]] == list(_cli_bench.METHOD_KEYS)
-    ok_keys = {"key", "name", "status", "reason", "seconds", "bytes", "batches", "GBps", "wait_fraction",
-               "speedup", "verified", "extra"}
+    ok_keys = {"key", "name", "status", "reason", "seconds", "bytes", "batches", "epochs", "GBps",
+               "wait_fraction", "speedup", "verified", "extra"}
     by_key = {m["key"]: m for m in doc["methods"]}
     for key in ("naive", "dataloader", "gpufeed_loader", "gpufeed_h5"):
         m = by_key[key]
         assert set(m) == ok_keys, key
         assert m["status"] == "ok" and m["verified"] is True, m
-        assert m["bytes"] == rows * ROW and m["batches"] == -(-rows // 512)
-        assert m["GBps"] > 0 and 0 <= m["wait_fraction"] <= 1 and m["seconds"] > 0
+        # a run repeats whole epochs until it has lasted --min-seconds
+        assert m["epochs"] >= 1 and m["seconds"] >= 0.1
+        assert m["bytes"] == m["epochs"] * rows * ROW and m["batches"] == m["epochs"] * -(-rows // 512)
+        assert m["GBps"] > 0 and 0 <= m["wait_fraction"] <= 1
         assert m["speedup"] == pytest.approx(m["GBps"] / by_key["naive"]["GBps"])
+        runs = m["extra"]["runs_GBps"]
+        assert len(runs) == 3 and m["extra"]["range_GBps"] == [min(runs), max(runs)]
     assert by_key["naive"]["speedup"] == 1.0
     assert by_key["dataloader"]["name"] == "DataLoader (1 workers) + .to()"
     assert by_key["gpufeed_loader"]["name"] == "gpufeed(DataLoader, 1 workers)"
-    assert by_key["gpufeed_h5"]["extra"]["paths_taken"] == {"x": "contiguous", "y": "contiguous"}
-    assert by_key["gpufeed_h5"]["extra"]["stats"]["batches"] == -(-rows // 512)
+    h5 = by_key["gpufeed_h5"]
+    assert h5["extra"]["paths_taken"] == {"x": "contiguous", "y": "contiguous"}
+    assert h5["extra"]["stats"]["batches"] == h5["epochs"] * -(-rows // 512)  # one prefetcher, every epoch
+    assert doc["verdict"][0].startswith("verdict: ")
     if CPU_ONLY:
         gds = by_key["gpufeed_gds"]
         assert set(gds) == {"key", "name", "status", "reason", "extra"}
@@ -156,40 +164,52 @@ def test_bench_cpu_prints_progress_table_and_files(bench_cpu):
     assert lines[0].startswith(
         f"gpufeed bench: 8 MiB synthetic HDF5 (x float32 [{rows}, 1024], y int64 [{rows}]), "
         "batch 512 rows (2 MiB), 4 batches, device cpu")
+    assert lines[1] == f"  read path: {_cli_bench.read_path()}"  # which reader ran, as gpufeed doctor says
+    assert lines[2] == ("  timing: 3 interleaved round(s), each method repeating epochs for >= 0.1 s a "
+                        "round; shown: the median round and the range")
     if CPU_ONLY:  # what a CPU run can and cannot show, said before any figure
-        assert lines[1:5] == [
+        assert lines[3:6] == [
             "  no GPU: this run measures reading and batching on the CPU only (every batch lands in host "
             "memory);",
-            "  copies to the device, pinned memory and overlap with GPU compute are not measured.",
-            f"  {_cli_bench.CPU_NOTE[2]}",
-            f"  {_cli_bench.CPU_NOTE[3]}",
+            "  copies to the device, pinned memory and overlap with GPU compute are not measured, and they "
+            "are",
+            "  where gpufeed's speed-up lies. Run it on a GPU machine for what gpufeed is built for.",
         ]
-        assert lines[-2].endswith("(no GPU: reading and batching on the CPU only, no copy to a device)")
     progress = [line for line in lines if re.match(r"  \[\d/5\] ", line)]
     assert [p.split("] ")[1][:34].rstrip() for p in progress] == [
         "naive h5py + .to()", "DataLoader (1 workers) + .to()", "gpufeed(DataLoader, 1 workers)",
         "gpufeed H5Source", "gpufeed GDSSource" if CPU_ONLY else progress[4].split("] ")[1][:34].rstrip()]
     for p in progress[:4]:
-        assert re.search(r"\d+\.\d\d GB/s  wait +\d+\.\d%  +\d+\.\d\d s$", p), p
-    header = "method                          GB/s  wait %  vs naive  time s  note"
-    assert header in lines
+        assert re.search(r"\d+\.\d\d GB/s  wait +\d+\.\d%  +\d+\.\d\d s +\d+ epochs$", p), p
+    header = next(line for line in lines if line.startswith("method "))
+    assert header.split() == ["method", "GB/s", "range", "wait", "%", "vs", "naive", "time", "s", "epochs",
+                              "note"]
     rows = _table_rows(stdout, "method ")
-    figures = r"\s+\d+\.\d\d\s+\d+\.\d%\s+\d+\.\d\dx\s+\d+\.\d\d"
+    figures = r"\s+\d+\.\d\d\s+\d+\.\d\d-\d+\.\d\d\s+\d+\.\d%\s+\d+\.\d\dx\s+\d+\.\d\d\s+\d+"
     assert re.fullmatch(r"naive h5py \+ \.to\(\)" + figures, rows["naive h5py + .to()"])
-    assert rows["naive h5py + .to()"].split()[-2] == "1.00x"
+    assert rows["naive h5py + .to()"].split()[-3] == "1.00x"
     assert re.fullmatch("gpufeed H5Source" + figures, rows["gpufeed H5Source"])
     if CPU_ONLY:
         gds = rows["gpufeed GDSSource"]
-        assert gds.split()[2:6] == ["-", "-", "-", "-"]
+        assert gds.split()[2:8] == ["-"] * 6
         assert gds.endswith("skipped: needs CUDA (GPUDirect Storage reads into GPU memory)")
-    assert re.search(r"^fastest: .+ at \d+\.\d\d GB/s, \d+\.\dx the naive loop", stdout, re.M)
+    doc = json.loads((out / "bench.json").read_text())
+    after = lines[lines.index(header) + len(doc["methods"]) + 1 :]
+    assert after[:2] == list(_cli_bench.WAIT_NOTE)  # what wait % means, right under the table
+    assert after[2 : 2 + len(doc["verdict"])] == doc["verdict"]
+    if CPU_ONLY:
+        assert after[2] == ("verdict: no GPU here: this measures the CPU path only; gpufeed's speed-up is on "
+                            "a GPU, where it overlaps reading and copying with compute.")
+    assert re.search(r"^  fastest: .+ at \d+\.\d\d GB/s", stdout, re.M)
+    assert re.search(r"^  the rounds (agree|disagree): ", stdout, re.M)
     assert lines[-1] == f"wrote {out / 'bench.json'}, {out / 'bench.png'}"
     png = (out / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
 def test_bench_json_flag_prints_only_json_to_stdout(tmp_path, capsys):
-    rc = main(["bench", "--size", "2MiB", "--device", "cpu", "--out", str(tmp_path), "--json", "--no-chart",
+    rc = main(["bench", "--min-seconds", "0", "--size", "2MiB", "--device", "cpu", "--out", str(tmp_path),
+               "--json", "--no-chart",
                "--methods", "naive,gpufeed_h5", "--batch-size", "128"])
     assert rc == 0
     cap = capsys.readouterr()
@@ -197,17 +217,20 @@ def test_bench_json_flag_prints_only_json_to_stdout(tmp_path, capsys):
     assert [m["key"] for m in doc["methods"]] == ["naive", "gpufeed_h5"]
     assert doc == json.loads((tmp_path / "bench.json").read_text())
     assert "[1/2] naive h5py + .to()" in cap.err and "[2/2] gpufeed H5Source" in cap.err
-    assert "[2/2, run 3/3] gpufeed H5Source" in cap.err  # three interleaved rounds by default
-    for m in doc["methods"]:  # the median of the three runs is the one reported
+    assert "[2/2, run 5/5] gpufeed H5Source" in cap.err  # five interleaved rounds by default
+    for m in doc["methods"]:  # the median of the five runs is the one reported, with their range
         runs = m["extra"]["runs_GBps"]
-        assert len(runs) == 3 and round(m["GBps"], 3) == sorted(runs)[1]
+        assert len(runs) == 5 and round(m["GBps"], 3) == sorted(runs)[2]
+        assert m["extra"]["range_GBps"] == [min(runs), max(runs)]
+        assert m["epochs"] == 1  # --min-seconds 0: one epoch a run
     assert not (tmp_path / "bench.png").exists()
 
 
 def test_bench_removes_its_data_unless_kept(tmp_path, capsys):
     data = tmp_path / "data"
     data.mkdir()
-    args = ["bench", "--size", "1MiB", "--device", "cpu", "--out", str(tmp_path / "o"), "--no-chart",
+    args = ["bench", "--min-seconds", "0", "--size", "1MiB", "--device", "cpu", "--out", str(tmp_path / "o"),
+            "--no-chart",
             "--methods", "naive", "--data-dir", str(data)]
     assert main(args) == 0
     assert list(data.iterdir()) == []
@@ -227,6 +250,8 @@ def test_bench_removes_its_data_unless_kept(tmp_path, capsys):
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["--depth", "0"], "--depth must be >= 1, got 0"),
     (["--repeat", "0"], "--repeat must be >= 1, got 0"),
+    (["--min-seconds", "-1"], "--min-seconds must be >= 0, got -1.0"),
+    (["--min-seconds", "nan"], "--min-seconds must be >= 0, got nan"),
     (["--methods", "naive,fast"],
      "--methods: unknown fast; choose from naive, dataloader, gpufeed_loader, gpufeed_h5, gpufeed_gds"),
     (["--device", "tpu"], "--device must be cpu, cuda or cuda:N, got 'tpu'"),
@@ -248,7 +273,8 @@ def test_bench_reports_a_failing_method_and_exits_1(tmp_path, capsys, monkeypatc
         raise RuntimeError("disk on fire")
 
     monkeypatch.setitem(_cli_bench._RUNNERS, "gpufeed_h5", boom)
-    rc = main(["bench", "--size", "1MiB", "--device", "cpu", "--out", str(tmp_path), "--no-chart",
+    rc = main(["bench", "--min-seconds", "0", "--size", "1MiB", "--device", "cpu", "--out", str(tmp_path),
+               "--no-chart",
                "--methods", "naive,gpufeed_h5"])
     assert rc == 1
     out = capsys.readouterr().out
@@ -268,7 +294,8 @@ def test_bench_catches_a_method_that_loses_rows(tmp_path, capsys, monkeypatch):
         return meter, name, extra
 
     monkeypatch.setitem(_cli_bench._RUNNERS, "naive", lossy)
-    rc = main(["bench", "--size", "1MiB", "--device", "cpu", "--out", str(tmp_path), "--no-chart",
+    rc = main(["bench", "--min-seconds", "0", "--size", "1MiB", "--device", "cpu", "--out", str(tmp_path),
+               "--no-chart",
                "--methods", "naive"])
     assert rc == 1
     (m,) = json.loads((tmp_path / "bench.json").read_text())["methods"]
@@ -284,12 +311,81 @@ def test_bench_skips_sources_that_are_missing(tmp_path, capsys, monkeypatch):
         raise _cli_bench.Skip(f"gpufeed.sources.{name} does not exist in this version of gpufeed")
 
     monkeypatch.setattr(_cli_bench, "_import_source", missing)
-    rc = main(["bench", "--size", "1MiB", "--device", "cpu", "--out", str(tmp_path), "--no-chart",
+    rc = main(["bench", "--min-seconds", "0", "--size", "1MiB", "--device", "cpu", "--out", str(tmp_path),
+               "--no-chart",
                "--methods", "naive,gpufeed_h5"])
     assert rc == 0
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["methods"][1]["status"] == "skipped"
     assert doc["methods"][1]["reason"] == "gpufeed.sources.H5Source does not exist in this version of gpufeed"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bench_header_names_the_read_path_doctor_reports(tmp_path, capsys, monkeypatch, native):
+    from gpufeed.sources import _pread
+
+    monkeypatch.delenv("GPUFEED_NATIVE_PREAD", raising=False)
+    monkeypatch.setattr(_pread, "_NATIVE", (lambda *a: None) if native else None)
+    assert main(["bench", "--min-seconds", "0", "--repeat", "1", "--size", "1MiB", "--device", "cpu",
+                 "--out", str(tmp_path), "--no-chart", "--methods", "naive"]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    if native:
+        assert line == ("  read path: native C reader (_pread_many.so): gpufeed's sources read files in C, "
+                        "the GIL released")
+    else:
+        assert line == ("  read path: Python os.preadv loop: the native C reader _pread_many.so is not in "
+                        "use (the native reader was not built at install)")
+    assert json.loads((tmp_path / "bench.json").read_text())["read_path"]["native"] is native
+    assert _cli_doctor._page_cache_read(1 << 20)["shuffled_rows"] == ("native" if native else "python")
+
+
+def test_bench_runs_epochs_until_min_seconds(tmp_path):
+    assert main(["bench", "--min-seconds", "0.3", "--repeat", "1", "--size", "1MiB", "--device", "cpu",
+                 "--out", str(tmp_path), "--no-chart", "--methods", "naive,gpufeed_h5",
+                 "--batch-size", "64"]) == 0
+    rows = (1 << 20) // ROW
+    for m in json.loads((tmp_path / "bench.json").read_text())["methods"]:
+        assert m["status"] == "ok" and m["verified"], m  # sum(y) checked over every epoch
+        assert m["seconds"] >= 0.3 and m["epochs"] > 1
+        assert m["bytes"] == m["epochs"] * rows * ROW
+
+
+def _doc(cuda, rounds=3, **gbps):
+    """A bench.json with the given methods' median GB/s (a range of +-5% unless given as a tuple)."""
+    methods = []
+    for key, v in gbps.items():
+        med, lo, hi = v if isinstance(v, tuple) else (v, v * 0.95, v * 1.05)
+        methods.append({"key": key, "name": dict(_cli_bench.METHODS)[key], "status": "ok", "GBps": med,
+                        "speedup": med / gbps["naive"] if "naive" in gbps else None,
+                        "extra": {"range_GBps": [lo, hi]}})
+    return {"cuda": cuda, "config": {"rounds": rounds, "cpu_count": 2}, "methods": methods}
+
+
+def test_bench_verdict_in_plain_words():
+    v = _cli_bench.verdict
+    assert v(_doc(False, naive=1.0, gpufeed_h5=1.05)) == [
+        "verdict: no GPU here: this measures the CPU path only; gpufeed's speed-up is on a GPU, where it "
+        "overlaps reading and copying with compute.",
+        "  gpufeed's best here, gpufeed H5Source, is level with the naive loop (1.05x).",
+        "  fastest: gpufeed H5Source at 1.05 GB/s, 1.1x the naive loop",
+        "  the rounds agree: every method's fastest round within 1.11x of its slowest.",
+    ]
+    assert v(_doc(True, naive=3.0, dataloader=1.5, gpufeed_h5=24.0))[:2] == [
+        "verdict: gpufeed's best here, gpufeed H5Source, delivered 8.0x the naive loop's rate.",
+        "  fastest: gpufeed H5Source at 24.00 GB/s, 8.0x the naive loop",
+    ]
+    slower = v(_doc(False, naive=10.0, gpufeed_h5=(2.0, 1.0, 12.0)))
+    assert slower[1:] == [
+        "  gpufeed's best here, gpufeed H5Source, was slower than the naive loop (0.20x). On a CPU its "
+        "reader threads share 2 cores with the loop and there is no device copy to hide behind.",
+        "  fastest: naive h5py + .to() at 10.00 GB/s",
+        "  the rounds disagree: gpufeed H5Source ran 1.00-12.00 GB/s (12.0x); the machine is busy or its "
+        "state drifts: trust the medians less, or run again with a larger --min-seconds.",
+    ]
+    assert v(_doc(True, rounds=1, naive=1.0))[-1] == (
+        "  one round only: no measure of how much the figures vary (use --repeat 3 or more).")
+    assert v({"cuda": True, "config": {"rounds": 3}, "methods": []}) == [
+        "verdict: no method ran here; the table's notes say why"]
 
 
 def test_bench_dataset_opens_the_file_lazily_and_pickles_without_it(tmp_path):
@@ -594,7 +690,8 @@ def test_convert_without_the_convert_module(mixed_h5, tmp_path, capsys, monkeypa
 
 
 def test_bench_trace_writes_a_perfetto_trace_per_gpufeed_method(tmp_path, capsys):
-    rc = main(["bench", "--size", "1MiB", "--device", "cpu", "--out", str(tmp_path), "--no-chart", "--trace",
+    rc = main(["bench", "--min-seconds", "0", "--size", "1MiB", "--device", "cpu", "--out", str(tmp_path),
+               "--no-chart", "--trace",
                "--methods", "naive,gpufeed_h5", "--batch-size", "64", "--repeat", "1"])
     assert rc == 0
     trace = tmp_path / "trace-gpufeed_h5.json"
@@ -608,7 +705,8 @@ def test_bench_trace_writes_a_perfetto_trace_per_gpufeed_method(tmp_path, capsys
 
 
 def test_bench_trace_keeps_one_trace_per_run_and_points_at_the_reported_one(tmp_path, capsys):
-    rc = main(["bench", "--size", "1MiB", "--device", "cpu", "--out", str(tmp_path), "--no-chart", "--trace",
+    rc = main(["bench", "--min-seconds", "0", "--size", "1MiB", "--device", "cpu", "--out", str(tmp_path),
+               "--no-chart", "--trace",
                "--methods", "gpufeed_h5", "--batch-size", "64", "--repeat", "3"])
     assert rc == 0
     names = sorted(p.name for p in tmp_path.iterdir())

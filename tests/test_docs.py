@@ -106,3 +106,100 @@ def test_tuning_page_states_the_code_defaults():
     assert rows["num_threads` (of `RawSource`, `H5Source`)"] == (
         "min(8, os.cpu_count())`; in a DataLoader worker `min(8, cpus // num_workers)")
     assert rows["num_threads` (of `SourceLoader`)"] == "min(8, os.cpu_count())"
+
+
+# -- pages a newcomer reads ----------------------------------------------------------------------------
+
+
+def _sections(markdown: str, level: str = "### ") -> dict[str, str]:
+    """``{heading: body}`` for the headings of one level (``body`` up to the next heading of any level)."""
+    out: dict[str, str] = {}
+    heading = None
+    for line in markdown.splitlines():
+        if line.startswith("#") and not line.startswith("#!"):
+            heading = line[len(level):].strip() if line.startswith(level) else None
+            if heading is not None:
+                out[heading] = ""
+        elif heading is not None:
+            out[heading] += line + "\n"
+    return out
+
+
+def test_api_page_explains_every_public_name_with_an_example():
+    import gpufeed
+
+    sections = _sections((DOCS / "api.md").read_text())
+    for name in gpufeed.__all__:
+        body = sections.get(f"`{name}`")
+        assert body is not None, f"docs/api.md has no section for {name}"
+        prose, _, code = body.partition("```python\n")
+        assert len(prose.split()) >= 25, f"{name}: a paragraph, not a line"
+        assert name in code, f"{name}: its example does not use it"
+    assert "<!-- gpufeed:api -->" in (DOCS / "api.md").read_text()  # the generated reference follows
+    generated = {n.rsplit(".", 1)[1] for _, names in _hooks().API for n in names}
+    assert set(gpufeed.__all__) <= generated
+
+
+def test_api_page_examples_run_on_the_cpu(tmp_path, monkeypatch):
+    """Every example of docs/api.md runs, in order, in one namespace (they build on one another)."""
+    import re
+
+    import torch
+
+    pytest.importorskip("h5py")
+    monkeypatch.chdir(tmp_path)
+    blocks = re.findall(r"```python\n(.*?)```", (DOCS / "api.md").read_text(), re.S)
+    assert len(blocks) >= 11
+    ns: dict = {}
+    for code in blocks:
+        if "GDSSource(" in code and not torch.cuda.is_available():
+            continue  # the page says this one needs CUDA
+        exec(compile(code, "docs/api.md", "exec"), ns)
+    assert (tmp_path / "train.raw" / "manifest.json").is_file()
+
+
+def test_index_lists_every_example():
+    index = (DOCS / "index.md").read_text()
+    for script in sorted((ROOT / "examples").glob("*.py")):
+        assert f"`{script.name}`" in index, f"docs/index.md does not list examples/{script.name}"
+
+
+def test_index_installs_from_the_clone():
+    install = (DOCS / "index.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert "python3 -m pip install gpufeed " not in install  # no index serves it
+    assert "python3 -m pip install -e '.[hdf5]'" in install
+    assert "python3 -m pip wheel --no-deps . -w dist/" in install
+
+
+def test_readme_setup_says_cpu_torch_and_venv_before_its_two_commands():
+    readme = (ROOT / "README.md").read_text()
+    setup = readme.split("## Set-up", 1)[1].split("\n## ", 1)[0]
+    block = setup.split("```bash\n", 1)[1].split("```", 1)[0]
+    assert block.splitlines() == ["python3 -m pip install -e '.[dev]' && gpufeed bench",
+                                  "python3 -m pytest -q"]
+    before = setup.split("```bash\n", 1)[0]
+    assert "python3 -m venv .venv && . .venv/bin/activate" in before
+    assert "python3 -m pip install torch --index-url https://download.pytorch.org/whl/cpu" in before
+    ci = (ROOT / ".ci" / "run").read_text()  # CI runs the same two commands, quietly
+    assert "python3 -m pip install -q -e '.[dev]'" in ci and "python3 -m pytest -q" in ci
+
+
+def test_tuning_rows_are_a_few_sentences():
+    for line in (DOCS / "tuning.md").read_text().splitlines():
+        if line.startswith("| `"):
+            words = len(line.replace("|", " ").split())
+            assert words <= 130, f"{words} words: {line[:60]}"
+
+
+@pytest.mark.parametrize("phrase", [
+    "bookkeeping alone",
+    "(47 and 47 of 90 cells)",
+    "until a background thread pays",
+    "a whole staging chunk per read and starts it without a Python thread",
+    "fetch thread takes over",
+])
+def test_user_pages_do_not_use_insider_phrases(phrase):
+    for page in [ROOT / "README.md", *DOCS.glob("*.md")]:
+        if page.name in ("design.md", "how-it-works.md", "reliability.md"):
+            continue  # pages about the internals
+        assert phrase not in page.read_text().replace("\n", " "), f"{page.name}: {phrase!r}"

@@ -10,6 +10,8 @@ from types import ModuleType
 import pytest
 import torch
 
+from gpufeed import StaticBatch
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -29,13 +31,31 @@ def test_every_example_is_tested():
     # ddp.py runs under torchrun in tests/test_distributed.py; lightning_resume.py in tests/test_lightning.py.
 
 
-def test_cuda_graphs_without_cuda_says_so(capsys):
+def test_cuda_graphs_smoke_on_the_cpu_checks_the_static_batches(capsys, monkeypatch):
     # The replay check itself runs on the GPU machine: tests/test_trace_and_static.py (cuda marker).
     if torch.cuda.is_available():
         pytest.skip("on a GPU the cuda-marked test runs the example in full")
-    for argv in ([], ["--smoke"]):
-        assert _load("cuda_graphs").main(argv) == {"replays": 0, "mismatches": 0}
-        assert "needs a CUDA GPU" in capsys.readouterr().out
+    module = _load("cuda_graphs")
+    assert module.main(["--smoke"]) == {"replays": 0, "steps": 6, "mismatches": 0}
+    out = capsys.readouterr().out
+    assert out.startswith("no CUDA GPU: no graph captured; 6 eager steps over static batches (one set of "
+                          "tensors, refilled each step), 0 mismatches; final loss ")
+
+    class Fresh:  # every batch in new tensors: a captured graph would read stale ones
+        def __init__(self, loader, **kwargs):
+            self.loader = loader
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def __iter__(self):
+            return (StaticBatch(b.clone(), len(b)) for b in self.loader)
+
+    monkeypatch.setattr(module, "CudaPrefetcher", Fresh)
+    assert module.main(["--smoke"])["mismatches"] == 10  # 5 steps read the first batch, 5 moved tensors
 
 
 def test_quickstart(capsys):

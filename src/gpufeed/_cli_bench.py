@@ -5,6 +5,11 @@ every batch (a sum of ``x`` and of ``y`` on the device, accumulated there so no 
 step) and synchronizes the device once at the end, inside its timed region. ``sum(y)`` is checked
 against its exact expected value, so a method that lost or repeated a row fails instead of looking fast.
 
+A run is sized by time, not bytes: it repeats epochs over the file until it has lasted ``--min-seconds``
+(at least one epoch), so a small file on a fast machine still gives a figure that a timer's resolution
+and one stray hiccup do not swing. The methods run in ``--repeat`` interleaved rounds; the report keeps
+each method's median round and the range of all of them.
+
 Consumer wait: for gpufeed, ``pf.stats.stall_fraction`` (time blocked in ``next()`` / wall time since the
 first ``next()``); for the baselines, the host time spent getting a batch and issuing its copy
 (``next()`` plus ``.to(device)``) over the wall time of the run.
@@ -32,7 +37,7 @@ from typing import Any, TextIO
 import numpy as np
 import torch
 
-from gpufeed._cli_util import CLIError, format_bytes, parse_size, say, table
+from gpufeed._cli_util import CLIError, format_bytes, native_reader, parse_size, say, table
 from gpufeed.loaders.source_loader import SourceLoader
 
 FEATURES = 1024  # x is (rows, FEATURES) float32: 4 KiB per sample, plus 8 bytes of y
@@ -41,12 +46,22 @@ DEFAULT_SIZE_CUDA = "4GiB"
 DEFAULT_BATCH_SIZE = 2048  # rows: 8 MiB of x per batch
 WRITE_BLOCK_BYTES = 64 << 20
 
+DEFAULT_MIN_SECONDS = 1.0
+DEFAULT_ROUNDS = 5
+#: A method whose fastest round beat its slowest by more than this makes the verdict say to distrust them.
+NOISY_RATIO = 1.25
+
 #: What a run without a GPU can and cannot show, printed before its numbers and stored in bench.json.
 CPU_NOTE = (
     "no GPU: this run measures reading and batching on the CPU only (every batch lands in host memory);",
-    "copies to the device, pinned memory and overlap with GPU compute are not measured.",
-    "Where torch's threads take every core, gpufeed reads each batch on the loop's thread, and reading from",
-    "the page cache is a memory copy for every method; run on a GPU machine for what gpufeed is built for.",
+    "copies to the device, pinned memory and overlap with GPU compute are not measured, and they are",
+    "where gpufeed's speed-up lies. Run it on a GPU machine for what gpufeed is built for.",
+)
+
+#: What the ``wait %`` column means, printed under the table.
+WAIT_NOTE = (
+    "wait %: the share of a run the loop spent waiting for its next batch (baselines: in next() and .to();",
+    "gpufeed: blocked in next()). The loop only sums each batch: lower means batches were ready ahead.",
 )
 
 #: (key, label) in the order they run; labels may be completed at run time (workers, GDS mode).
@@ -73,9 +88,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=None,
                    help="DataLoader num_workers (default: half the CPUs, at most 8, as a user sizes them)")
     p.add_argument("--depth", type=int, default=2, help="gpufeed prefetch depth (default 2)")
-    p.add_argument("--repeat", type=int, default=3,
-                   help="runs of each method, in interleaved rounds; the median run is reported (the lower "
-                        "middle one for an even count; default 3)")
+    p.add_argument("--repeat", type=int, default=DEFAULT_ROUNDS,
+                   help="rounds: runs of each method, interleaved; the median run is reported (the lower "
+                        f"middle one for an even count) with the range of all (default {DEFAULT_ROUNDS})")
+    p.add_argument("--min-seconds", type=float, default=DEFAULT_MIN_SECONDS,
+                   help="each run repeats epochs over the file until it has lasted this long, at least one "
+                        f"epoch (default {DEFAULT_MIN_SECONDS:g}; 0: one epoch)")
     p.add_argument("--methods", default=",".join(METHOD_KEYS),
                    help=f"comma-separated subset of: {', '.join(METHOD_KEYS)}")
     p.add_argument("--data-dir", default=None,
@@ -95,7 +113,8 @@ class Config:
     workers: int
     depth: int
     methods: tuple[str, ...]
-    repeat: int = 3
+    repeat: int = DEFAULT_ROUNDS
+    min_seconds: float = DEFAULT_MIN_SECONDS
     run: int = 1  # the round being measured (1 .. repeat)
     path: str = ""
     row_bytes: int = FEATURES * 4 + 8
@@ -123,6 +142,7 @@ class Result:
     seconds: float = 0.0
     bytes: int = 0
     batches: int = 0
+    epochs: int = 0
     GBps: float = 0.0
     wait_fraction: float = 0.0
     speedup: float | None = None
@@ -132,7 +152,8 @@ class Result:
     def as_json(self) -> dict[str, Any]:
         d = asdict(self)
         if self.status != "ok":
-            for k in ("seconds", "bytes", "batches", "GBps", "wait_fraction", "speedup", "verified"):
+            for k in ("seconds", "bytes", "batches", "epochs", "GBps", "wait_fraction", "speedup",
+                      "verified"):
                 d.pop(k)
         return d
 
@@ -175,7 +196,10 @@ def run(args: argparse.Namespace) -> int:
             written.append(chart)
     say("", progress)
     say(render_table(doc), progress)
-    say(_verdict(doc), progress)
+    for line in WAIT_NOTE:
+        say(line, progress)
+    for line in doc["verdict"]:
+        say(line, progress)
     written += [m["extra"]["trace"] for m in doc["methods"] if "trace" in m.get("extra", {})]
     say(f"wrote {', '.join(written)}", progress)
     if args.json:
@@ -203,13 +227,16 @@ def _config(args: argparse.Namespace) -> Config:
         raise CLIError(f"--depth must be >= 1, got {args.depth}")
     if args.repeat < 1:
         raise CLIError(f"--repeat must be >= 1, got {args.repeat}")
+    if not args.min_seconds >= 0:  # also rejects nan
+        raise CLIError(f"--min-seconds must be >= 0, got {args.min_seconds}")
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     unknown = [m for m in methods if m not in METHOD_KEYS]
     if unknown or not methods:
         raise CLIError(f"--methods: unknown {', '.join(unknown) or '(none given)'}; "
                        f"choose from {', '.join(METHOD_KEYS)}")
     return Config(device=device, size=size, rows=size // row_bytes, batch_size=args.batch_size,
-                  workers=args.workers, depth=args.depth, methods=methods, repeat=args.repeat)
+                  workers=args.workers, depth=args.depth, methods=methods, repeat=args.repeat,
+                  min_seconds=args.min_seconds)
 
 
 def _device(text: str | None) -> torch.device:
@@ -237,9 +264,20 @@ def _header(cfg: Config, out: TextIO) -> None:
     say(f"gpufeed bench: {format_bytes(cfg.nbytes)} synthetic HDF5 (x float32 [{cfg.rows}, {FEATURES}], "
         f"y int64 [{cfg.rows}]), batch {cfg.batch_size} rows ({format_bytes(batch_bytes)}), "
         f"{cfg.batches} batches, {where}", out)
+    say(f"  read path: {read_path()}", out)
+    say(f"  timing: {cfg.repeat} interleaved round(s), each method repeating epochs for >= "
+        f"{cfg.min_seconds:g} s a round; shown: the median round and the range", out)
     if cfg.device.type != "cuda":
         for line in CPU_NOTE:
             say(f"  {line}", out)
+
+
+def read_path() -> str:
+    """Which reader gpufeed's sources use here, in words (the check ``gpufeed doctor`` makes)."""
+    native, why = native_reader()
+    if native:
+        return "native C reader (_pread_many.so): gpufeed's sources read files in C, the GIL released"
+    return f"Python os.preadv loop: the native C reader _pread_many.so is not in use ({why})"
 
 
 def _warm_device(device: torch.device) -> None:
@@ -320,6 +358,7 @@ class _Meter:
         self.ysum = torch.zeros((), dtype=torch.int64, device=device)
         self.batches = 0
         self.rows = 0
+        self.epochs = 0
         self.wait_s = 0.0
         self.stall_fraction: float | None = None  # set by gpufeed runs, from pf.stats
 
@@ -340,18 +379,28 @@ class _Meter:
 Move = Callable[[Any], dict[str, torch.Tensor]]
 
 
-def _timed_loop(cfg: Config, batches: Iterable[Any], move: Move) -> _Meter:
+def _epochs(cfg: Config, meter: _Meter) -> Iterator[int]:
+    """Epoch numbers until the run has lasted ``cfg.min_seconds``, at least one; counted in ``meter``."""
+    t0 = time.perf_counter()
+    while meter.epochs == 0 or time.perf_counter() - t0 < cfg.min_seconds:
+        yield meter.epochs
+        meter.epochs += 1
+
+
+def _timed_loop(cfg: Config, epoch: Callable[[], Iterable[Any]], move: Move) -> _Meter:
+    """Run ``epoch()``'s batches through ``move`` and the meter, epoch after epoch (see ``_epochs``)."""
     meter = _Meter(cfg.device)
-    it = iter(batches)
-    while True:
-        t = time.perf_counter()
-        raw = next(it, None)
-        if raw is None:
+    for _ in _epochs(cfg, meter):
+        it = iter(epoch())
+        while True:
+            t = time.perf_counter()
+            raw = next(it, None)
+            if raw is None:
+                meter.wait_s += time.perf_counter() - t
+                break
+            batch = move(raw)
             meter.wait_s += time.perf_counter() - t
-            break
-        batch = move(raw)
-        meter.wait_s += time.perf_counter() - t
-        meter.touch(batch)
+            meter.touch(batch)
     meter.finish()
     return meter
 
@@ -369,18 +418,18 @@ def _naive(cfg: Config) -> tuple[_Meter, str, dict[str, Any]]:
     def move(raw: tuple[np.ndarray, np.ndarray]) -> dict[str, torch.Tensor]:
         return {"x": torch.from_numpy(raw[0]).to(cfg.device), "y": torch.from_numpy(raw[1]).to(cfg.device)}
 
-    return _timed_loop(cfg, batches(), move), "", {}
+    return _timed_loop(cfg, batches, move), "", {}
 
 
 def _dataloader(cfg: Config) -> tuple[_Meter, str, dict[str, Any]]:
-    loader = make_loader(cfg)
+    loader = make_loader(cfg)  # one loader over the epochs, as a training loop keeps it
     nb = cfg.device.type == "cuda"
 
     def move(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(cfg.device, non_blocking=nb) for k, v in raw.items()}
 
     pin = ", pinned" if loader.pin_memory else ""
-    meter = _timed_loop(cfg, loader, move)
+    meter = _timed_loop(cfg, lambda: loader, move)
     return meter, f"DataLoader ({cfg.workers} workers{pin}) + .to()", {}
 
 
@@ -392,8 +441,9 @@ def _prefetched(cfg: Config, key: str, source: Any, **kw: Any) -> tuple[_Meter, 
     if cfg.trace_dir is not None:
         kw["trace"] = True
     with CudaPrefetcher(source, device=cfg.device, depth=cfg.depth, **kw) as pf:
-        for batch in pf:
-            meter.touch(batch)
+        for _ in _epochs(cfg, meter):  # one prefetcher over the epochs, as a training loop keeps it
+            for batch in pf:
+                meter.touch(batch)
         meter.finish()
         meter.stall_fraction = pf.stats.stall_fraction
         extra["stats"] = pf.stats.as_dict()
@@ -484,6 +534,7 @@ def _median_run(runs: list[Result]) -> Result:
     ranked = sorted(runs, key=lambda r: r.GBps)
     res = ranked[(len(ranked) - 1) // 2]
     res.extra["runs_GBps"] = [round(r.GBps, 3) for r in runs]
+    res.extra["range_GBps"] = [round(ranked[0].GBps, 3), round(ranked[-1].GBps, 3)]
     return res
 
 
@@ -501,19 +552,21 @@ def _measure(cfg: Config, key: str, label: str) -> Result:
     wait = meter.stall_fraction if meter.stall_fraction is not None else meter.wait_s / seconds
     ysum = int(meter.ysum.item())
     res = Result(key, name or label, "ok", seconds=seconds, bytes=meter.rows * cfg.row_bytes,
-                 batches=meter.batches, GBps=meter.rows * cfg.row_bytes / seconds / 1e9,
+                 batches=meter.batches, epochs=meter.epochs, GBps=meter.rows * cfg.row_bytes / seconds / 1e9,
                  wait_fraction=min(1.0, wait), extra=extra)
-    res.verified = meter.rows == cfg.rows and ysum == cfg.expected_ysum
+    rows, want = meter.epochs * cfg.rows, meter.epochs * cfg.expected_ysum
+    res.verified = meter.rows == rows and ysum == want
     if not res.verified:
         res.status = "failed"
-        res.reason = (f"delivered {meter.rows} rows with sum(y) = {ysum}; expected {cfg.rows} rows "
-                      f"with sum(y) = {cfg.expected_ysum} (rows lost, repeated or corrupted)")
+        over = f" over {meter.epochs} epochs" if meter.epochs > 1 else ""
+        res.reason = (f"delivered {meter.rows} rows with sum(y) = {ysum}{over}; expected {rows} rows "
+                      f"with sum(y) = {want} (rows lost, repeated or corrupted)")
     return res
 
 
 def _progress_tail(r: Result) -> str:
     if r.status == "ok":
-        return f"{r.GBps:7.2f} GB/s  wait {r.wait_fraction:6.1%}  {r.seconds:6.2f} s"
+        return f"{r.GBps:7.2f} GB/s  wait {r.wait_fraction:6.1%}  {r.seconds:6.2f} s  {r.epochs:3d} epochs"
     return f"{r.status}: {r.reason}"
 
 
@@ -524,7 +577,7 @@ def report(cfg: Config, results: list[Result]) -> dict[str, Any]:
     from gpufeed import __version__
 
     cuda = cfg.device.type == "cuda"
-    return {
+    doc = {
         "gpufeed": __version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -532,6 +585,7 @@ def report(cfg: Config, results: list[Result]) -> dict[str, Any]:
         "device_name": torch.cuda.get_device_name(cfg.device) if cuda else platform.processor() or "cpu",
         "cuda": cuda,
         "note": "" if cuda else " ".join(CPU_NOTE),
+        "read_path": {"native": native_reader()[0], "description": read_path()},
         "config": {
             "size_bytes": cfg.nbytes,
             "rows": cfg.rows,
@@ -540,36 +594,76 @@ def report(cfg: Config, results: list[Result]) -> dict[str, Any]:
             "batches": cfg.batches,
             "workers": cfg.workers,
             "depth": cfg.depth,
+            "rounds": cfg.repeat,
+            "min_seconds": cfg.min_seconds,
             "cpu_count": os.cpu_count(),
         },
         "methods": [r.as_json() for r in results],
     }
+    doc["verdict"] = verdict(doc)
+    return doc
 
 
-TABLE_HEADER = ("method", "GB/s", "wait %", "vs naive", "time s", "note")
+TABLE_HEADER = ("method", "GB/s", "range", "wait %", "vs naive", "time s", "epochs", "note")
 
 
 def render_table(doc: dict[str, Any]) -> str:
-    """The results table: one row per method, skipped and failed ones with the reason in ``note``."""
+    """The results table: one row per method (its median round; ``range``: the GB/s of its slowest and
+    fastest rounds), skipped and failed ones with the reason in ``note``."""
     rows = []
     for m in doc["methods"]:
         if m["status"] == "ok":
             speed = f"{m['speedup']:.2f}x" if m["speedup"] is not None else "-"
-            rows.append([m["name"], f"{m['GBps']:.2f}", f"{m['wait_fraction']:.1%}", speed,
-                         f"{m['seconds']:.2f}", ""])
+            lo, hi = m["extra"].get("range_GBps", (m["GBps"], m["GBps"]))
+            rows.append([m["name"], f"{m['GBps']:.2f}", f"{lo:.2f}-{hi:.2f}", f"{m['wait_fraction']:.1%}",
+                         speed, f"{m['seconds']:.2f}", m["epochs"], ""])
         else:
-            rows.append([m["name"], "-", "-", "-", "-", f"{m['status']}: {m['reason']}"])
-    return table(TABLE_HEADER, rows, "lrrrrl")
+            rows.append([m["name"], "-", "-", "-", "-", "-", "-", f"{m['status']}: {m['reason']}"])
+    return table(TABLE_HEADER, rows, "lrrrrrrl")
 
 
-def _verdict(doc: dict[str, Any]) -> str:
+def verdict(doc: dict[str, Any]) -> list[str]:
+    """What the run shows on this machine, in plain words: the first line starts ``verdict:``."""
     ok = [m for m in doc["methods"] if m["status"] == "ok"]
     if not ok:
-        return "no method ran"
+        return ["verdict: no method ran here; the table's notes say why"]
+    lines = [] if doc["cuda"] else [
+        "no GPU here: this measures the CPU path only; gpufeed's speed-up is on a GPU, where it overlaps "
+        "reading and copying with compute."]
+    lines += _against_naive(doc, ok)
     best = max(ok, key=lambda m: m["GBps"])
-    speed = f", {best['speedup']:.1f}x the naive loop" if best["speedup"] is not None else ""
-    note = "" if doc["cuda"] else " (no GPU: reading and batching on the CPU only, no copy to a device)"
-    return f"fastest: {best['name']} at {best['GBps']:.2f} GB/s{speed}{note}"
+    vs = f", {best['speedup']:.1f}x the naive loop" if best["speedup"] and best["key"] != "naive" else ""
+    lines.append(f"fastest: {best['name']} at {best['GBps']:.2f} GB/s{vs}")
+    lines.append(_spread(ok, doc["config"]["rounds"]))
+    return [f"verdict: {lines[0]}"] + [f"  {line}" for line in lines[1:]]
+
+
+def _against_naive(doc: dict[str, Any], ok: list[dict[str, Any]]) -> list[str]:
+    mine = [m for m in ok if m["key"].startswith("gpufeed")]
+    if not mine or not any(m["key"] == "naive" for m in ok):
+        return []
+    top = max(mine, key=lambda m: m["GBps"])
+    ratio = top["speedup"]
+    if ratio >= 1.15:
+        return [f"gpufeed's best here, {top['name']}, delivered {ratio:.1f}x the naive loop's rate."]
+    if ratio > 1 / 1.15:
+        return [f"gpufeed's best here, {top['name']}, is level with the naive loop ({ratio:.2f}x)."]
+    why = (f" On a CPU its reader threads share {doc['config']['cpu_count']} cores with the loop and there "
+           "is no device copy to hide behind." if not doc["cuda"] else "")
+    return [f"gpufeed's best here, {top['name']}, was slower than the naive loop ({ratio:.2f}x).{why}"]
+
+
+def _spread(ok: list[dict[str, Any]], rounds: int) -> str:
+    if rounds < 2:
+        return "one round only: no measure of how much the figures vary (use --repeat 3 or more)."
+    worst = max(ok, key=lambda m: m["extra"]["range_GBps"][1] / max(m["extra"]["range_GBps"][0], 1e-12))
+    lo, hi = worst["extra"]["range_GBps"]
+    ratio = hi / max(lo, 1e-12)
+    if ratio > NOISY_RATIO:
+        return (f"the rounds disagree: {worst['name']} ran {lo:.2f}-{hi:.2f} GB/s ({ratio:.1f}x); the "
+                "machine is busy or its state drifts: trust the medians less, or run again with a larger "
+                "--min-seconds.")
+    return f"the rounds agree: every method's fastest round within {ratio:.2f}x of its slowest."
 
 
 def write_chart(doc: dict[str, Any], path: Path) -> str | None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from gpufeed._cli_util import CLIError, format_bytes, parse_size, say, version_of
+from gpufeed._cli_util import CLIError, format_bytes, native_reader, parse_size, say, version_of
 
 #: Optional modules: (module, what it is for, the extra that installs it).
 OPTIONAL = (
@@ -119,11 +119,9 @@ def _page_cache_read(nbytes: int) -> dict[str, Any]:
         _pread_all(fd, memoryview(buf), 0)  # warm: the file is now surely in the page cache
         one = _best(lambda: _pread_all(fd, memoryview(buf), 0))
         many = _best(lambda: _pread_parallel(fd, buf, threads))
-    from gpufeed.sources import _pread
-
     return {"bytes": nbytes, "threads": threads, "one_thread_GBps": nbytes / one / 1e9,
             "threaded_GBps": nbytes / many / 1e9, "where": tempfile.gettempdir(),
-            "shuffled_rows": _pread.backend()}
+            "shuffled_rows": "native" if native_reader()[0] else "python"}
 
 
 def _best(fn: Any, reps: int = 3) -> float:
@@ -217,7 +215,7 @@ def advice(r: dict[str, Any]) -> list[str]:
     if pc["threaded_GBps"] > 1.3 * pc["one_thread_GBps"]:
         out.append(f"parallel reads are {pc['threaded_GBps'] / pc['one_thread_GBps']:.1f}x one thread: "
                    "prefer RawSource/H5Source on contiguous data (parallel pread) over h5py slicing")
-    if pc.get("shuffled_rows") == "python" and not _native_off():
+    if pc.get("shuffled_rows") == "python" and native_reader()[1] != "GPUFEED_NATIVE_PREAD=0":
         out.append("shuffled rows are read by a Python loop (several times slower): the native reader "
                    "was not built when gpufeed was installed (no C compiler?); reinstall with one "
                    "(pip install --force-reinstall --no-deps gpufeed)")
@@ -239,10 +237,6 @@ def advice(r: dict[str, Any]) -> list[str]:
     if not out:
         out.append("nothing to change: run gpufeed bench to compare the loops on this machine")
     return out
-
-
-def _native_off() -> bool:
-    return os.environ.get("GPUFEED_NATIVE_PREAD") == "0"
 
 
 def render(r: dict[str, Any]) -> str:
@@ -273,7 +267,7 @@ def render(r: dict[str, Any]) -> str:
         row("shuffled reads", "native: rows in the page cache gathered from memory maps, others read by "
             "each reader in one C call (GIL released once)")
     else:
-        why = "GPUFEED_NATIVE_PREAD=0" if _native_off() else "the native reader was not built at install"
+        why = native_reader()[1]
         row("shuffled reads", f"Python os.preadv loop, no memory-map gather by default ({why})")
     threads = r["staging_copy"]["threads"]
     row("staging copy", f"torch's parallel copy, {threads} threads (torch.get_num_threads())")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -97,3 +98,21 @@ def say(text: str = "", file: TextIO | None = None) -> None:
     """Print one line and flush it now (progress shows up even through a pipe)."""
     out = file if file is not None else sys.stdout
     print(text, file=out, flush=True)
+
+
+def native_reader() -> tuple[bool, str]:
+    """Whether gpufeed's sources read files with the native C reader (``_pread_many.so``) in this
+    process: ``(True, "")``, or ``(False, why not)``. ``gpufeed doctor`` and ``gpufeed bench`` both report
+    it from here.
+
+    Example:
+        >>> native_reader()  # doctest: +SKIP
+        (False, 'the native reader was not built at install')
+    """
+    from gpufeed.sources import _pread
+
+    if _pread.backend() == "native":
+        return True, ""
+    if os.environ.get("GPUFEED_NATIVE_PREAD") == "0":
+        return False, "GPUFEED_NATIVE_PREAD=0"
+    return False, "the native reader was not built at install"

@@ -89,6 +89,10 @@ class RawSource(HostFileSource):
             self._build(_select(_from_manifest(paths), fields, str(paths)), mmap_gather, num_threads)
             return
         name = "x" if name is None else name
+        if isinstance(paths, Mapping):  # else its keys would be taken for file names
+            raise TypeError(
+                f"RawSource: the first argument is paths=, a file or a list of files, got a dict {paths!r}; "
+                f"name fields with fields=, e.g. RawSource(fields={paths!r})")
         if fields is None:
             if paths is None:
                 raise ValueError("RawSource: pass paths=... (a file or a list of files) or fields={...}")
@@ -214,6 +218,11 @@ def _open_one(name: str, path: str, opts: dict[str, Any]) -> tuple[Field, int, i
     size = check_file(path, f"RawSource field '{name}'")
     if path.endswith(".npy"):
         return _npy(name, path, size, opts)
+    if not opts["offset"] and is_hdf5(path, size):  # an offset= says the caller knows the file's layout
+        raise ValueError(
+            f"RawSource: {path} is an HDF5 file, not raw samples: read it with H5Source({path!r}, "
+            f"fields=[...]), or convert it once with `gpufeed convert {path} OUTDIR` and pass "
+            "RawSource(OUTDIR)")
     if opts["dtype"] is None:
         raise ValueError(
             f"RawSource: {path} is a raw file: pass dtype= (and shape= per sample), or save it with np.save "
@@ -265,6 +274,23 @@ def _npy(name: str, path: str, size: int, opts: dict[str, Any]) -> tuple[Field, 
             f"header) but the file holds {size} bytes; re-save it"
         )
     return field, off, rows
+
+
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def is_hdf5(path: str, size: int | None = None) -> bool:
+    """True when ``path`` holds HDF5's signature where HDF5 looks for it: at byte 0, 512, 1024, 2048 ...
+    (a user block of a power-of-two size may precede the superblock)."""
+    size = os.path.getsize(path) if size is None else size
+    with open(path, "rb") as fh:
+        at = 0
+        while at + len(HDF5_SIGNATURE) <= size:
+            fh.seek(at)
+            if fh.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE:
+                return True
+            at = 512 if at == 0 else 2 * at
+    return False
 
 
 class NpyHeader(NamedTuple):
