@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from gpufeed._copier import WithState
+from gpufeed._resumable import why_not_resumable
 from gpufeed._worker_slots import WorkerSlots
 
 
@@ -50,8 +51,8 @@ class WrappedLoader:
         # An iterator (a generator) is used up by one epoch; its second epoch would be silently empty.
         self._one_shot = isinstance(loader, Iterator)
         self._iterated = False
-        self.stateful = callable(getattr(loader, "state_dict", None)) and callable(
-            getattr(loader, "load_state_dict", None))
+        self.not_resumable = why_not_resumable(loader)  # None, or why its state cannot be taken
+        self.stateful = self.not_resumable is None
         # A SourceLoader keeps the epochs: the prefetcher asks it for each iteration's, reads the epoch and
         # position it chose, and tells it when a batch of an epoch was handed out.
         self.source_loader: SourceLoader | None = loader if isinstance(loader, SourceLoader) else None
@@ -93,10 +94,7 @@ class WrappedLoader:
 
     def state_dict(self, last: Any, epoch: int) -> dict[str, Any]:
         if not self.stateful:
-            raise TypeError(
-                f"cannot take the state of a {type(self.source).__name__}: it has no state_dict(). "
-                "Wrap a torchdata StatefulDataLoader (pip install 'gpufeed[resume]') or a SourceLoader"
-            )
+            raise TypeError(f"cannot take the state of the wrapped loader: {self.not_resumable}")
         if last is None:
             last = self.source.state_dict()
         return {"gpufeed": STATE_VERSION, "mode": "loader", "epoch": epoch, "loader": last}
