@@ -36,7 +36,7 @@ def same_bytes(a: Any, b: Any) -> bool:
         return isinstance(b, dict) and a.keys() == b.keys() and all(same_bytes(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
         return (isinstance(b, (list, tuple)) and len(a) == len(b)
-                and all(same_bytes(x, y) for x, y in zip(a, b)))
+                and all(same_bytes(x, y) for x, y in zip(a, b, strict=True)))
     return a == b
 
 
@@ -46,7 +46,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def assert_same_batches(got: list[Any], expected: list[Any]) -> None:
     assert len(got) == len(expected), (len(got), len(expected))
-    for i, (g, e) in enumerate(zip(got, expected)):
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
         assert same_bytes(g, e), f"batch {i} differs"
 
 

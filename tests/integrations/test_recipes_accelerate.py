@@ -10,8 +10,8 @@ from _recipes import assert_same_batches, load
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 pytest.importorskip("accelerate")
-from accelerate import Accelerator  # noqa: E402
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
 
 WORKERS = [0, 2]
 
@@ -96,7 +96,7 @@ def test_without_stateful_mode_the_batches_come_and_state_dict_says_why():
     acc = Accelerator(cpu=True)
     with ns["gpufeed_loader"](acc, _loader(0)) as batches:
         next(iter(batches))
-        with pytest.raises(TypeError, match=r"use_stateful_dataloader=True \(Accelerator\(dataloader_config="):
+        with pytest.raises(TypeError, match=r"use_stateful_dataloader=True \(Accelerator\(dataloader_conf"):
             batches.state_dict()
 
 

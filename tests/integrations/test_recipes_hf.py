@@ -65,7 +65,7 @@ def test_gpufeed_trainer_delivers_every_sample_and_trains(tmp_path, workers):
         delivered = []
         for batch in seen[epoch * N // 4:(epoch + 1) * N // 4]:
             assert batch["input_ids"].dtype == torch.int64 and batch["input_ids"].shape == (4, SEQ)
-            for r, label in zip(rows(batch["input_ids"]), batch["labels"].tolist()):
+            for r, label in zip(rows(batch["input_ids"]), batch["labels"].tolist(), strict=True):
                 i = index[r]  # the row's bytes are exactly a sample's
                 assert label == data.labels[i].item()
                 delivered.append(i)

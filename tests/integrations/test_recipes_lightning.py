@@ -50,7 +50,7 @@ def _check(model, data, epochs=2, batch_size=8):
         delivered = []
         for x, y in model.seen[e * per_epoch:(e + 1) * per_epoch]:
             assert x.dtype == torch.float32 and x.shape == (batch_size, 6)
-            for r, label in zip(rows(x), y.tolist()):
+            for r, label in zip(rows(x), y.tolist(), strict=True):
                 delivered.append(index[r])  # the row's bytes are exactly a sample's
                 assert label == data.tensors[1][index[r]].item()
         assert sorted(delivered) == list(range(N))
