@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU machine: the cuda-marked tests, then every benchmark.
 # Usage there (after the .devwhl prepare line):  bash benchmarks/run_gpu.sh "$OUT/r" --pack [part]
-# part: "a" (tests, prefetcher, grid, CLI), "b" (sources, tabpfn, resnet) or "r" (the reliability report, whose page
+# part: "a" (tests, prefetcher, grid, CLI), "b" (sources, tabpfn, resnet), "t" (the trainers: bench_trainers.py, and
+# examples/accelerate_launch.py --check on 2 GPUs where there are 2; needs pip install -e '.[integrations]' lightning)
+# or "r" (the reliability report, whose page
 # docs/reliability.md is copied into the folder); "ab" when left out. A part may take past 600 s: run the steps of one in separate calls then.
 set -u
 out=${1:-benchmarks/results}
@@ -24,6 +26,15 @@ if [[ $part == *b* ]]; then
   tail -14 "$out/bench-tabpfn.log"
   timeout 200 python3 benchmarks/bench_resnet.py --out "$out" > "$out/bench-resnet.log" 2>&1
   tail -16 "$out/bench-resnet.log"
+fi
+if [[ $part == *t* ]]; then
+  timeout 500 python3 benchmarks/bench_trainers.py --out "$out" > "$out/bench-trainers.log" 2>&1
+  tail -16 "$out/bench-trainers.log"
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    timeout 200 accelerate launch --num_processes 2 examples/accelerate_launch.py --check \
+      > "$out/accelerate-launch.log" 2>&1
+    tail -4 "$out/accelerate-launch.log"
+  fi
 fi
 if [[ $part == *r* ]]; then
   timeout 200 python3 tests/reliability/report.py --runs 1 > "$out/reliability-report.log" 2>&1

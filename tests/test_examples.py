@@ -26,9 +26,10 @@ def _load(name: str) -> ModuleType:
 
 def test_every_example_is_tested():
     assert sorted(p.stem for p in EXAMPLES.glob("*.py")) == [
-        "cuda_graphs", "ddp", "gds_raw", "hdf5_to_gpu", "lightning_datamodule", "lightning_resume",
-        "quickstart"]
-    # ddp.py runs under torchrun in tests/test_distributed.py; lightning_resume.py in tests/test_lightning.py.
+        "accelerate_launch", "cuda_graphs", "ddp", "gds_raw", "hdf5_to_gpu", "lightning_datamodule",
+        "lightning_resume", "quickstart"]
+    # ddp.py runs under torchrun in tests/test_distributed.py; lightning_resume.py in tests/test_lightning.py;
+    # accelerate_launch.py in tests/integrations/test_accelerate_launch.py.
 
 
 def test_cuda_graphs_smoke_on_the_cpu_checks_the_static_batches(capsys, monkeypatch):

@@ -145,10 +145,11 @@ class LoaderAdapter:
 
 def _batches(loader: Any, arena: WorkerArena | None) -> Iterator[HostBatch]:
     """The batches of one iteration of ``loader``, those collated into ``arena`` as views of it."""
-    collate = arena.begin(loader) if arena is not None and has_workers(loader) else None
-    original = getattr(loader, "collate_fn", None)
+    inner = _workers_of(loader)
+    collate = arena.begin(inner) if arena is not None and has_workers(inner) else None
+    original = getattr(inner, "collate_fn", None)
     if collate is not None:  # the loader's collate_fn is ours only while its iterator starts its workers
-        loader.collate_fn = collate
+        inner.collate_fn = collate
     try:
         it = iter(loader)
     except BaseException:
@@ -157,7 +158,7 @@ def _batches(loader: Any, arena: WorkerArena | None) -> Iterator[HostBatch]:
         raise
     finally:
         if collate is not None:
-            loader.collate_fn = original
+            inner.collate_fn = original
     try:
         for batch in it:
             if type(batch) is SlotBatch:
@@ -172,6 +173,13 @@ def _batches(loader: Any, arena: WorkerArena | None) -> Iterator[HostBatch]:
         del it
         if collate is not None:
             arena.end()
+
+
+def _workers_of(loader: Any) -> Any:
+    """The DataLoader whose workers collate ``loader``'s batches: accelerate's loaders wrap one
+    (``base_dataloader``) and iterate it."""
+    base = vars(loader).get("base_dataloader") if hasattr(loader, "__dict__") else None
+    return base if base is not None else loader
 
 
 def check_state(state: Any) -> None:

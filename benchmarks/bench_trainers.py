@@ -1,0 +1,425 @@
+"""Each trainer's own way of moving batches to the GPU against gpufeed's recipe (docs/integrations.md).
+
+Run it on the GPU machine, in one process (a few minutes)::
+
+    PYTHONPATH=src python benchmarks/bench_trainers.py     # benchmarks/results/trainers-<card>.{json,md}
+    python benchmarks/bench_trainers.py --smoke            # tiny, on the CPU, seconds (the smoke test)
+
+The loop, the same for every trainer: an MLP (``--features`` -> ``--hidden`` x 2 -> 10, float32, SGD) over a
+map-style dataset of random float32 rows (``--batch`` rows a batch: 8 MiB at the defaults), ``--workers``
+DataLoader workers. Each row: a fresh loader and trainer, ``--warmup`` untimed steps (the workers start
+there), then ``--steps`` timed ones, the device synchronized before the clock starts and stops;
+``--rounds`` rounds, and the row reports the median steps/s with the min and max.
+
+Rows (trainer / method):
+
+* accelerate / ``own``: ``accelerator.prepare_data_loader(loader)`` (accelerate places the batches;
+  ``pin_memory=True``, ``non_blocking=True``); ``gpufeed``: the recipe, ``device_placement=False`` and
+  ``CudaPrefetcher`` over the prepared loader.
+* lightning / ``own``: ``train_dataloader`` returns the DataLoader (``pin_memory=True``; Lightning's
+  ``transfer_batch_to_device``); ``gpufeed``: it returns a ``CudaPrefetcher``.
+* hf_trainer / ``own``: ``Trainer`` (``dataloader_pin_memory=True``, its ``_prepare_inputs``);
+  ``gpufeed``: the ``GpufeedTrainer`` subclass. Dict batches ``{"x", "labels"}``.
+* timm / ``own``: ``create_loader(..., use_prefetcher=True)`` (uint8 images, timm's ``PrefetchLoader``
+  normalizes on the GPU); ``gpufeed``: ``create_loader(..., use_prefetcher=False)`` wrapped (float32
+  normalized on the CPU); ``gpufeed_uint8``: the DataLoader inside timm's ``PrefetchLoader`` (uint8)
+  wrapped, normalized by ``CudaPrefetcher(transform=...)`` on the GPU. Images: ``--image`` px PIL images
+  made from random bytes, evaluation transforms; the MLP reads the flattened image.
+
+A trainer that is not installed gets rows with an ``error``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by a test
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from _common import card_name, pick_device, run_info, save_results
+
+from gpufeed import CudaPrefetcher
+
+TRAINERS = ("accelerate", "lightning", "hf_trainer", "timm")
+METHODS = {"accelerate": ("own", "gpufeed"), "lightning": ("own", "gpufeed"),
+           "hf_trainer": ("own", "gpufeed"), "timm": ("own", "gpufeed", "gpufeed_uint8")}
+
+
+@dataclass
+class Config:
+    device: torch.device
+    smoke: bool
+    out: Path
+    trainers: tuple[str, ...]
+    features: int
+    hidden: int
+    batch: int
+    image: int
+    workers: int
+    warmup: int
+    steps: int
+    rounds: int
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def parse_args(argv: list[str] | None) -> Config:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
+                   help="where trainers-<card>.{json,md} go (default benchmarks/results)")
+    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available; cpu with --smoke)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: checks the script runs")
+    p.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated subset of " +
+                   ",".join(TRAINERS))
+    p.add_argument("--features", type=int, help="floats a row (default 2048; smoke 32)")
+    p.add_argument("--hidden", type=int, help="the MLP's hidden width (default 1024; smoke 32)")
+    p.add_argument("--batch", type=int, help="rows a batch (default 1024; smoke 8)")
+    p.add_argument("--image", type=int, help="timm's image side in px (default 64; smoke 16)")
+    p.add_argument("--workers", type=int, help="DataLoader workers (default 4; smoke 0)")
+    p.add_argument("--warmup", type=int, help="untimed steps a round (default 20; smoke 2)")
+    p.add_argument("--steps", type=int, help="timed steps a round (default 100; smoke 3)")
+    p.add_argument("--rounds", type=int, help="rounds a row, reported as median/min/max (default 3; smoke 1)")
+    a = p.parse_args(argv)
+    trainers = tuple(t for t in a.trainers.split(",") if t)
+    unknown = set(trainers) - set(TRAINERS)
+    if unknown:
+        p.error(f"unknown trainers {sorted(unknown)}; choose from {','.join(TRAINERS)}")
+
+    def pick(value: int | None, full: int, smoke: int) -> int:
+        return value if value is not None else (smoke if a.smoke else full)
+
+    return Config(device=pick_device(a.device, a.smoke), smoke=a.smoke, out=a.out, trainers=trainers,
+                  features=pick(a.features, 2048, 32), hidden=pick(a.hidden, 1024, 32),
+                  batch=pick(a.batch, 1024, 8),
+                  image=pick(a.image, 64, 16), workers=pick(a.workers, 4, 0),
+                  warmup=pick(a.warmup, 20, 2), steps=pick(a.steps, 100, 3), rounds=pick(a.rounds, 3, 1))
+
+
+# -- the workload ----------------------------------------------------------------------------------------
+
+
+class Rows(Dataset):
+    """``(x, y)`` float32 rows over a bank made once (before any worker forks); ``dicts``: ``{"x", "labels"}``
+    instead."""
+
+    def __init__(self, n: int, features: int, dicts: bool = False) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.bank = torch.randn(256, features, generator=g)
+        self.n, self.dicts = n, dicts
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        x, y = self.bank[i % 256].clone(), i % 10
+        return {"x": x, "labels": y} if self.dicts else (x, y)
+
+
+class Images(Dataset):
+    """PIL images from random bytes (timm's loader sets ``transform``)."""
+
+    def __init__(self, n: int, side: int) -> None:
+        import numpy as np
+
+        self.arrays = np.random.default_rng(0).integers(0, 256, (64, side, side, 3), dtype=np.uint8)
+        self.n = n
+        self.transform: Callable[[Any], Any] | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        from PIL import Image
+
+        img = Image.fromarray(self.arrays[i % 64])
+        return (self.transform(img) if self.transform is not None else img), i % 10
+
+
+class MLP(nn.Module):
+    def __init__(self, features: int, hidden: int = 1024) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(features, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        logits = self.net(x)
+        if labels is None:
+            return logits
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+class Clock:
+    """Starts after ``warmup`` steps and stops after ``warmup + steps``, the device synchronized."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg, self.done, self.t0, self.t1 = cfg, 0, 0.0, 0.0
+
+    def step(self) -> bool:
+        """Count a finished step; True once the timed steps are done."""
+        self.done += 1
+        if self.done in (self.cfg.warmup, self.cfg.warmup + self.cfg.steps):
+            if self.cfg.cuda:
+                torch.cuda.synchronize(self.cfg.device)
+            if self.done == self.cfg.warmup:
+                self.t0 = time.perf_counter()
+            else:
+                self.t1 = time.perf_counter()
+        return self.done >= self.cfg.warmup + self.cfg.steps
+
+    def steps_per_s(self) -> float:
+        if self.done < self.cfg.warmup + self.cfg.steps:
+            raise RuntimeError(f"the loader ran out after {self.done} steps")
+        return self.cfg.steps / (self.t1 - self.t0)
+
+
+def _n(cfg: Config) -> int:
+    return (cfg.warmup + cfg.steps) * cfg.batch
+
+
+def _loop(batches: Any, model: nn.Module, opt: torch.optim.Optimizer, clock: Clock,
+          backward: Callable[[torch.Tensor], None] | None = None) -> None:
+    for x, y in batches:
+        loss = nn.functional.cross_entropy(model(x), y)
+        (backward or torch.Tensor.backward)(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if clock.step():
+            break
+
+
+# -- the trainers -----------------------------------------------------------------------------------------
+
+
+def run_accelerate(method: str, cfg: Config) -> float:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DataLoaderConfiguration
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=not cfg.cuda, dataloader_config=DataLoaderConfiguration(non_blocking=cfg.cuda))
+    model = MLP(cfg.features, cfg.hidden)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    loader = DataLoader(Rows(_n(cfg), cfg.features), batch_size=cfg.batch, num_workers=cfg.workers,
+                        pin_memory=cfg.cuda and method == "own")
+    clock = Clock(cfg)
+    if method == "own":
+        _loop(acc.prepare_data_loader(loader), model, opt, clock, acc.backward)
+    else:
+        prepared = acc.prepare_data_loader(loader, device_placement=False)
+        with CudaPrefetcher(prepared, device=acc.device) as batches:
+            _loop(batches, model, opt, clock, acc.backward)
+    return clock.steps_per_s()
+
+
+def run_lightning(method: str, cfg: Config) -> float:
+    import lightning as L
+
+    clock = Clock(cfg)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = MLP(cfg.features, cfg.hidden)
+
+        def train_dataloader(self) -> Any:
+            loader = DataLoader(Rows(_n(cfg), cfg.features), batch_size=cfg.batch, num_workers=cfg.workers,
+                                pin_memory=cfg.cuda and method == "own")
+            if method == "own":
+                return loader
+            return CudaPrefetcher(loader, device=self.trainer.strategy.root_device)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.cross_entropy(self.model(x), y)
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            clock.step()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    trainer = L.Trainer(accelerator="gpu" if cfg.cuda else "cpu", devices=1,
+                        max_steps=cfg.warmup + cfg.steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    module = Module()
+    trainer.fit(module)
+    loader = trainer.train_dataloader
+    if isinstance(loader, CudaPrefetcher):
+        loader.close()
+    return clock.steps_per_s()
+
+
+def run_hf_trainer(method: str, cfg: Config) -> float:
+    import tempfile
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    clock = Clock(cfg)
+
+    class Timing(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            clock.step()
+
+    class GpufeedTrainer(Trainer):  # docs/integrations.md's recipe
+        def get_train_dataloader(self) -> Any:
+            placement = self.accelerator.device_placement
+            self.accelerator.device_placement = False
+            try:
+                loader = super().get_train_dataloader()
+            finally:
+                self.accelerator.device_placement = placement
+            return CudaPrefetcher(loader, device=self.args.device)
+
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out, per_device_train_batch_size=cfg.batch, max_steps=cfg.warmup + cfg.steps,
+            use_cpu=not cfg.cuda, report_to=[], save_strategy="no", logging_strategy="no",
+            dataloader_num_workers=cfg.workers, dataloader_pin_memory=cfg.cuda and method == "own",
+            disable_tqdm=True, learning_rate=0.01, optim="sgd", seed=0)
+        cls = Trainer if method == "own" else GpufeedTrainer
+        trainer = cls(model=MLP(cfg.features, cfg.hidden), args=args,
+                      train_dataset=Rows(_n(cfg), cfg.features, dicts=True),
+                      data_collator=torch.utils.data.default_collate, callbacks=[Timing()])
+        trainer.train()
+    return clock.steps_per_s()
+
+
+def run_timm(method: str, cfg: Config) -> float:
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_loader
+
+    dataset = Images(_n(cfg), cfg.image)
+    model = MLP(3 * cfg.image * cfg.image, cfg.hidden).to(cfg.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    clock = Clock(cfg)
+    common = {"input_size": (3, cfg.image, cfg.image), "batch_size": cfg.batch, "is_training": False,
+              "num_workers": cfg.workers, "crop_pct": 1.0, "persistent_workers": False}
+    if method == "own":
+        loader = create_loader(dataset, use_prefetcher=True, device=cfg.device, pin_memory=cfg.cuda, **common)
+        _loop(loader, model, opt, clock)
+    elif method == "gpufeed":
+        loader = create_loader(dataset, use_prefetcher=False, **common)
+        with CudaPrefetcher(loader, device=cfg.device) as batches:
+            _loop(batches, model, opt, clock)
+    else:  # gpufeed_uint8: the uint8 DataLoader inside timm's PrefetchLoader, normalized on the device
+        inner = create_loader(dataset, use_prefetcher=True, device=cfg.device, **common).loader
+        mean = torch.tensor(IMAGENET_DEFAULT_MEAN, device=cfg.device).view(1, 3, 1, 1) * 255
+        std = torch.tensor(IMAGENET_DEFAULT_STD, device=cfg.device).view(1, 3, 1, 1) * 255
+
+        def normalize(batch: Any) -> Any:
+            x, y = batch
+            return (x.float() - mean) / std, y
+
+        with CudaPrefetcher(inner, device=cfg.device, transform=normalize) as batches:
+            _loop(batches, model, opt, clock)
+    return clock.steps_per_s()
+
+
+RUNNERS: dict[str, Callable[[str, Config], float]] = {
+    "accelerate": run_accelerate, "lightning": run_lightning, "hf_trainer": run_hf_trainer, "timm": run_timm}
+
+
+def run_row(trainer: str, method: str, cfg: Config) -> dict[str, Any]:
+    row: dict[str, Any] = {"trainer": trainer, "method": method}
+    try:
+        rates = [RUNNERS[trainer](method, cfg) for _ in range(cfg.rounds)]
+    except ImportError as e:
+        row["error"] = f"not installed: {e}"
+        return row
+    except Exception as e:  # a row that fails is reported, the others still run
+        traceback.print_exc()
+        row["error"] = f"{type(e).__name__}: {e}"
+        return row
+    row.update(steps_per_s=statistics.median(rates), min=min(rates), max=max(rates))
+    return row
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    rows = []
+    for trainer in cfg.trainers:
+        for method in METHODS[trainer]:
+            row = run_row(trainer, method, cfg)
+            rows.append(row)
+            print(_progress(row), flush=True)
+    own = {r["trainer"]: r["steps_per_s"] for r in rows if r["method"] == "own" and "error" not in r}
+    for r in rows:
+        if "error" not in r and r["trainer"] in own:
+            r["vs_own"] = r["steps_per_s"] / own[r["trainer"]]
+    return {
+        **run_info(cfg.device, cfg.smoke),
+        "config": {"features": cfg.features, "hidden": cfg.hidden, "batch": cfg.batch, "image": cfg.image,
+                   "workers": cfg.workers, "warmup": cfg.warmup, "steps": cfg.steps, "rounds": cfg.rounds,
+                   "batch_bytes": cfg.batch * cfg.features * 4},
+        "versions": _versions(),
+        "rows": rows,
+    }
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for name in ("accelerate", "lightning", "transformers", "timm"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _progress(row: dict[str, Any]) -> str:
+    if "error" in row:
+        return f"  {row['trainer']:>10} {row['method']:>13}  ERROR {row['error']}"
+    return (f"  {row['trainer']:>10} {row['method']:>13} {row['steps_per_s']:9.2f} steps/s "
+            f"(min {row['min']:.2f}, max {row['max']:.2f})")
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    c = doc["config"]
+    lines = [
+        f"# Trainers' own transfer vs gpufeed: {doc['card']}", "",
+        f"torch {doc['torch']}; an MLP over float32 rows ({c['features']} floats, batch {c['batch']}: "
+        f"{c['batch_bytes'] / 2**20:.1f} MiB), timm over {c['image']} px images; {c['workers']} workers; "
+        f"{c['warmup']} warm-up + {c['steps']} timed steps, median of {c['rounds']} rounds."
+        + (" Smoke run: sizes too small to mean anything." if doc["smoke"] else ""), "",
+        "| trainer | method | steps/s | min | max | vs own |", "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in doc["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['trainer']} | {r['method']} | error: {r['error']} | | | |")
+        else:
+            lines.append(f"| {r['trainer']} | {r['method']} | {r['steps_per_s']:.2f} | {r['min']:.2f} | "
+                         f"{r['max']:.2f} | {r.get('vs_own', float('nan')):.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    print(f"trainers benchmark on {cfg.device} ({card_name(cfg.device)}), torch {torch.__version__}",
+          flush=True)
+    with contextlib.suppress(Exception):
+        torch.backends.cudnn.benchmark = cfg.cuda
+    doc = run(cfg)
+    md = markdown(doc)
+    stem = save_results(cfg.out, "trainers", doc, md)
+    print(f"\n{md}\nwrote {stem}.json and {stem}.md", flush=True)
+    return 0 if all("error" not in r for r in doc["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
