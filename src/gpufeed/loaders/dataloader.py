@@ -144,29 +144,30 @@ class LoaderAdapter:
 
 
 def _batches(loader: Any, arena: WorkerArena | None) -> Iterator[HostBatch]:
-    """The batches of one iteration of ``loader``, those collated into ``arena`` as views of it."""
+    """The batches of one iteration of ``loader``, those collated into ``arena`` as views of it.
+
+    The DataLoader's ``collate_fn`` is the arena's only until the first batch arrives: its workers have
+    started with it by then (at ``iter()`` for a DataLoader, at the first ``next()`` for a wrapper that
+    iterates one lazily, as accelerate's do), and the user's loader is left as it was."""
     inner = _workers_of(loader)
     collate = arena.begin(inner) if arena is not None and has_workers(inner) else None
     original = getattr(inner, "collate_fn", None)
-    if collate is not None:  # the loader's collate_fn is ours only while its iterator starts its workers
+    if collate is not None:
         inner.collate_fn = collate
+    it = None
     try:
         it = iter(loader)
-    except BaseException:
-        if collate is not None:
-            arena.end()
-        raise
-    finally:
-        if collate is not None:
-            inner.collate_fn = original
-    try:
         for batch in it:
+            if collate is not None and inner.collate_fn is collate:
+                inner.collate_fn = original
             if type(batch) is SlotBatch:
                 views, rebuild, lease = arena.open(batch)
                 yield HostBatch(rebuild(views), lease)
             else:
                 yield HostBatch(batch)
     finally:  # the loader's iterator ends now (a DataLoader shuts its workers down), before the arena is reused
+        if collate is not None and inner.collate_fn is collate:
+            inner.collate_fn = original
         close = getattr(it, "close", None)
         if close is not None:
             close()
