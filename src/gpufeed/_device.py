@@ -39,18 +39,22 @@ class DeviceBatch(NamedTuple):
 class DeviceStage:
     """Copies host batches to ``device`` and hands them to the consumer's stream.
 
+    A batch is copied on the copy stream, overlapping the loop's kernels, unless its copy takes less time
+    than the copy stream's own calls cost the loop's thread: then on the loop's own stream, in line with
+    its kernels, as ``.to(non_blocking=True)`` in the loop would (:class:`_Costs` measures both).
+
     Invariants (CUDA):
 
     * One copy stream for the stage's whole life.
-    * A batch's device tensors are allocated on the consumer's current stream, and the copy stream waits
-      on an event recorded there after those allocations, before any of the batch's copies: memory the
-      caching allocator hands out again was freed by the consumer, so every kernel that read it was queued
-      before that event, and the copy cannot overwrite it early. No ``record_stream`` is needed for the
-      consumer, and freeing a batch makes no CUDA call (safe in a forked DataLoader worker too).
+    * A batch's device tensors are allocated on the consumer's current stream. On the copy stream, the
+      copies wait on an event recorded there after those allocations: memory the caching allocator hands
+      out again was freed by the consumer, so every kernel that read it was queued before that event, and
+      the copy cannot overwrite it early. No ``record_stream`` is needed for the consumer, and freeing a
+      batch makes no CUDA call (safe in a forked DataLoader worker too).
     * One event is recorded on the copy stream after a batch's copies (and ``transform``);
       :meth:`hand_over` makes the consumer's current stream wait on that event only.
-    * A batch's host memory is leased: its lease is called with that event right after the copies are
-      issued, and the memory's owner reuses it only once the event completed.
+    * A batch's host memory is leased: its lease is called with the event of the copies that read it
+      right after they are issued, and the memory's owner reuses it only once that event completed.
 
     Without CUDA the stage hands host batches over as they are (memory with a lease is copied out first).
     """
@@ -67,6 +71,7 @@ class DeviceStage:
         self.stager = Stager(pin=self.cuda)
         self.pinning = self.cuda  # pageable tensors are staged through pinned memory (until it fails)
         self._fence = torch.cuda.Event() if self.cuda else None
+        self.costs = _Costs()
         self._timed: list[tuple[Any, Any, int]] = []  # (start, end, bytes) of sampled batches in flight
         self._count = 0
 
@@ -126,7 +131,11 @@ class DeviceStage:
             jobs = [functools.partial(self._staged, job, [leaves[i] for i in pageable], staged) for job in jobs]
         consumer = self.streams.current()
         fresh = [out[i] for i, t in enumerate(leaves) if out[i] is not t]
-        start, end = self._issue(consumer, copies, jobs, nbytes)
+        self.stats.add(bytes=nbytes)
+        self._count += 1
+        if self.costs.on_loop_stream(nbytes, self._count):
+            return self._on_loop_stream(hb, rebuild(out), copies, jobs, consumer, fresh)
+        start, end = self._issue(consumer, copies, jobs)
         batch = rebuild(out)
         if self.transform is not None:
             batch, fresh = self._transform(batch, fresh, consumer)
@@ -136,17 +145,36 @@ class DeviceStage:
         if start is not None:
             self._timed.append((start, end, nbytes))
         self._collect_timing()
-        self.stats.add(bytes=nbytes)
         return DeviceBatch(batch, end, hb.state, consumer, fresh)
 
+    def _on_loop_stream(self, hb: HostBatch, batch: Any, copies: list[tuple[torch.Tensor, torch.Tensor]],
+                        jobs: list[Callable[[], None]], consumer: Any, fresh: list[torch.Tensor]) -> DeviceBatch:
+        """Issue the copies (and the transform) on the loop's own stream, in its order: nothing to fence and
+        nothing to wait for at the hand-over (as ``.to(non_blocking=True)`` in the loop)."""
+        for dst, src in copies:
+            dst.copy_(src, non_blocking=True)
+        for job in jobs:
+            job()
+        if self.transform is not None:
+            with _nvtx.range("gpufeed.transform"):
+                batch = self.transform(batch)
+            fresh = [t for t in flatten(batch)[0] if t.device == self.device]
+        if hb.lease is not None:  # the host memory goes back once the loop's stream has read it
+            end = torch.cuda.Event()
+            end.record(consumer)
+            hb.lease(end)
+        self.stats.loop_stream_batches += 1
+        return DeviceBatch(batch, None, hb.state, consumer, fresh)
+
     def _issue(self, consumer: Any, copies: list[tuple[torch.Tensor, torch.Tensor]],
-               jobs: list[Callable[[], None]], nbytes: int) -> tuple[Any, Any]:
+               jobs: list[Callable[[], None]]) -> tuple[Any, Any]:
         """Fence the copy stream behind the consumer's allocations, issue the copies and jobs there, and
-        record the batch's event; the consumer's stream is current again after."""
+        record the batch's event; the consumer's stream is current again after. Measures what the copy
+        stream's own calls cost the loop's thread (``costs``)."""
         streams = self.streams
+        t0 = time.perf_counter()
         self._fence.record(consumer)
-        self._count += 1
-        timed = self._count % TIME_EVERY == 2  # (not an epoch's first batches, which pay the start-up)
+        timed = self.costs.timed(self._count)
         end = torch.cuda.Event(enable_timing=timed)
         start = torch.cuda.Event(enable_timing=True) if timed else None
         device = streams.enter_copy()
@@ -154,13 +182,17 @@ class DeviceStage:
             self.stream.wait_event(self._fence)
             if start is not None:
                 start.record(self.stream)
+            t1 = time.perf_counter()
             for dst, src in copies:
                 dst.copy_(src, non_blocking=True)
             for job in jobs:
                 job()
+            t2 = time.perf_counter()
             end.record(self.stream)
         finally:
             streams.leave_copy(device)
+        if timed:
+            self.costs.side_calls(time.perf_counter() - t2 + t1 - t0)
         return start, end
 
     def _staged(self, job: Callable[[], None], leaves: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
@@ -200,17 +232,24 @@ class DeviceStage:
     def _collect_timing(self) -> None:
         while self._timed and self._timed[0][1].query():
             start, end, nbytes = self._timed.pop(0)
-            self.stats.add(copy_s=start.elapsed_time(end) / 1e3, timed_bytes=nbytes)
+            seconds = start.elapsed_time(end) / 1e3
+            self.stats.add(copy_s=seconds, timed_bytes=nbytes)
+            self.costs.copied(nbytes, seconds)
 
     # -- hand-over ---------------------------------------------------------------------------------
 
     def hand_over(self, item: DeviceBatch) -> Any:
-        """The batch, once the consumer's current stream waits on its event."""
-        if item.event is None:
+        """The batch, once the consumer's current stream waits on its copies."""
+        if item.stream is None:  # (the CPU)
             return item.batch
         stream = self.streams.current()
-        item.event.wait(stream)
+        if item.event is not None:
+            t0 = time.perf_counter()
+            item.event.wait(stream)
+            self.costs.side_wait(time.perf_counter() - t0)
         if stream is not item.stream:  # the loop switched streams since: guard the memory on this one too
+            if item.event is None:
+                stream.wait_stream(item.stream)
             for t in item.fresh:
                 t.record_stream(stream)
         return item.batch
@@ -226,6 +265,52 @@ class DeviceStage:
         if self.stream is not None:
             self.stream.synchronize()
             self._collect_timing()
+
+
+class _Costs:
+    """Where a batch's copies cost the loop least: on the copy stream, or on the loop's own stream.
+
+    The copy stream lets a copy overlap the loop's kernels, and costs the loop's thread its own calls (a
+    fence, an event, the hand-over's wait: tens of microseconds, more while the GPU is busy). The loop's
+    stream costs none of them, and puts the copy in line with the loop's kernels. So a batch goes on the
+    loop's stream when its copy takes less time than the copy stream's calls would: both measured here, on
+    the batches timed on the copy stream (one in ``TIME_EVERY``, and every batch until both are known), as
+    moving averages, so the choice follows the machine and the loop's load. Nothing is tuned to a card.
+    """
+
+    def __init__(self) -> None:
+        self.rate: float | None = None  # bytes a second of the timed copies
+        self.calls_s: float | None = None  # the copy stream's calls, a batch (issue and hand-over)
+        self._issue_s: float | None = None
+        self._wait_s: float | None = None
+
+    def timed(self, count: int) -> bool:
+        return self.rate is None or self.calls_s is None or count % TIME_EVERY == 0
+
+    def on_loop_stream(self, nbytes: int, count: int) -> bool:
+        if self.timed(count):
+            return False
+        return nbytes / self.rate < self.calls_s
+
+    def copied(self, nbytes: int, seconds: float) -> None:
+        if seconds > 0 and nbytes:
+            self.rate = _average(self.rate, nbytes / seconds)
+
+    def side_calls(self, seconds: float) -> None:
+        self._issue_s = _average(self._issue_s, seconds)
+        self._update()
+
+    def side_wait(self, seconds: float) -> None:
+        self._wait_s = _average(self._wait_s, seconds)
+        self._update()
+
+    def _update(self) -> None:
+        if self._issue_s is not None and self._wait_s is not None:
+            self.calls_s = self._issue_s + self._wait_s
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else 0.75 * old + 0.25 * new
 
 
 class _Streams:

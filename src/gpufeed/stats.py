@@ -30,7 +30,9 @@ class PrefetchStats:
     so its time spans its staging too (and, the first time, the pinning of fresh blocks of torch's caching
     host allocator).
     ``slot_batches`` counts the batches a DataLoader's workers collated into the prefetcher's pinned
-    shared slots (``worker_slots``): the main process copied none of their bytes.
+    shared slots (``worker_slots``): the main process copied none of their bytes. ``loop_stream_batches``
+    counts the batches copied on the loop's own stream, where a copy takes less time than the copy
+    stream's own calls would cost the loop.
 
     Example:
         >>> s = PrefetchStats(batches=10, bytes=10 << 20, wait_s=0.01, wall_s=1.0)
@@ -49,6 +51,7 @@ class PrefetchStats:
     timed_bytes: int = 0
     staged_bytes: int = 0
     slot_batches: int = 0
+    loop_stream_batches: int = 0
     #: The loop's GPU work was still running when it asked for a batch (sampled on each epoch's first
     #: batches, on CUDA).
     gpu_busy: bool = False
