@@ -1,6 +1,5 @@
 """CUDA specifics, run on the GPU machine (`pytest -m cuda`): streams, events, memory, exact bytes."""
 
-import contextlib
 import gc
 
 import pytest
@@ -42,7 +41,7 @@ def test_bit_exact_under_a_slow_consumer(kind, depth):
     expected = [{k: digest(v.cuda()).item() for k, v in b.items() if k != "i"} for b in data]
     torch.cuda.synchronize()
     seen = []
-    with CudaPrefetcher(data, depth=depth, chunk_bytes=64 << 10) as pf:
+    with CudaPrefetcher(data, depth=depth) as pf:
         for _ in range(2):
             got = []
             for b in pf:
@@ -57,7 +56,7 @@ def test_bit_exact_under_a_slow_consumer(kind, depth):
 
 def test_kept_batches_stay_intact():
     data = host_batches(16, "unpinned", seed=7)
-    with CudaPrefetcher(data, depth=2, chunk_bytes=64 << 10) as pf:
+    with CudaPrefetcher(data, depth=2) as pf:
         kept = list(pf)
     torch.cuda.synchronize()
     for b, d in zip(kept, data, strict=True):
@@ -69,7 +68,7 @@ def test_consumer_on_a_side_stream_is_fenced():
     data = host_batches(12, "unpinned", seed=3)
     expected = [digest(b["x"].cuda()).item() for b in data]
     side = torch.cuda.Stream()
-    with torch.cuda.stream(side), CudaPrefetcher(data, depth=2, chunk_bytes=64 << 10) as pf:
+    with torch.cuda.stream(side), CudaPrefetcher(data, depth=2) as pf:
         got = []
         for b in pf:
             torch.cuda._sleep(SLEEP_CYCLES)
@@ -97,20 +96,64 @@ def test_one_copy_stream_and_flat_memory_over_20_epochs():
     pf.close()
 
 
-def test_an_epoch_ends_without_waiting_for_its_copies_and_keeps_what_they_read():
-    """The loop never waits for copies at an epoch's end (it would spin until all it queued had landed);
-    the pinned tensors those copies read stay referenced until they complete, and close() waits for them."""
+def test_an_epoch_ends_without_waiting_for_its_copies():
+    """The loop never waits for copies at an epoch's end (it would spin until all it queued had landed):
+    its stream waits on them, on the GPU; close() waits for them."""
     data = [{"x": torch.full((1 << 20,), float(i)).pin_memory()} for i in range(6)]
     pf = CudaPrefetcher(data, depth=2)
-    with torch.cuda.stream(pf._stream):
+    with torch.cuda.stream(pf._stage.stream):
         torch.cuda._sleep(400_000_000)  # the copy stream busy for a few hundred ms: every copy waits
     got = [b["x"] for b in pf]
-    queued = list(pf._in_flight._queue)
-    assert queued and not queued[-1][1].query()  # the epoch ended with its copies still queued
-    assert {id(t) for _, _, read, _, _ in queued for t in read} == {id(b["x"]) for b in data}
+    assert not torch.cuda.current_stream().query()  # the epoch ended with its copies still queued
     assert [float(t[-1]) for t in got] == [float(i) for i in range(6)]  # exact once they land
     pf.close()
-    assert not pf._in_flight._queue
+
+
+def test_small_batches_go_on_the_loop_s_stream_once_their_copy_costs_less_than_the_copy_stream():
+    """A 64 KiB copy takes a few microseconds, the copy stream's own calls tens: after the first batches,
+    which measure both, such batches are copied on the loop's stream, exactly."""
+    data = [torch.full((1 << 14,), float(i)).pin_memory() for i in range(64)]
+    with CudaPrefetcher(data) as pf:
+        for _ in range(2):
+            got = [b for b in pf]
+            assert [float(t[0]) for t in got] == [float(i) for i in range(64)]
+    assert 64 <= pf.stats.loop_stream_batches < 128  # timed ones, one in TIME_EVERY, go on the copy stream
+    big = [torch.full((16 << 20,), float(i)).pin_memory() for i in range(8)]  # 64 MiB: a millisecond a copy
+    with CudaPrefetcher(big) as pf:
+        assert [float(b[-1]) for b in pf] == [float(i) for i in range(8)]
+    assert pf.stats.loop_stream_batches == 0
+
+
+def test_batches_kept_in_a_reference_cycle_are_safe_to_collect_in_a_forked_worker():
+    """Freeing a batch makes no CUDA call (no ``record_stream``): a DataLoader worker forked while the loop
+    keeps gpufeed batches in a cycle, and collecting it there, does not crash, and needs no collection before
+    the fork (which cost every epoch a full ``gc.collect()``)."""
+    import gc
+
+    class Cycle:
+        def __init__(self, batch):
+            self.me, self.batch = self, batch
+
+    class Collects(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            gc.collect()  # in the worker: frees the parent's cycles, CUDA tensors included
+            return torch.tensor([i])
+
+    data = [torch.randn(1 << 18).pin_memory() for _ in range(4)]
+    gc.disable()
+    try:
+        with CudaPrefetcher(data) as pf:
+            for b in pf:
+                Cycle(b)
+        loader = torch.utils.data.DataLoader(Collects(), batch_size=2, num_workers=2,
+                                             multiprocessing_context="fork")
+        with CudaPrefetcher(loader) as pf:
+            assert [b.tolist() for b in pf] == [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]]]
+    finally:
+        gc.enable()
 
 
 def test_device_defaults_to_the_current_cuda_device_and_transform_runs_there():
@@ -122,19 +165,27 @@ def test_device_defaults_to_the_current_cuda_device_and_transform_runs_there():
     assert torch.equal(out[0].cpu(), data[0].float() * 0.25)  # exact in float32
 
 
-def test_pinned_budget_zero_falls_back_with_one_warning():
+def test_pinning_that_fails_falls_back_to_pageable_copies_with_one_warning(monkeypatch):
+    import gpufeed.host_memory as hm
+
+    def refuse(t):
+        raise hm.PinnedUnavailable("pinned allocation failed: test")
+
+    monkeypatch.setattr(hm, "pin", refuse)
+    monkeypatch.setattr(hm, "pinned_empty", refuse)
     data = host_batches(4, "unpinned", seed=5)
     with (
-        pytest.warns(RuntimeWarning, match="pinned staging is off") as rec,
-        CudaPrefetcher(data, pinned_budget=0) as pf,
+        pytest.warns(RuntimeWarning, match="pinned memory is unavailable") as rec,
+        CudaPrefetcher(data) as pf,
     ):
-        got = list(pf)
-    assert len([w for w in rec if "pinned staging" in str(w.message)]) == 1
-    assert all(torch.equal(g["x"].cpu(), d["x"]) for g, d in zip(got, data, strict=True))
+        got = [list(pf) for _ in range(2)]
+    assert len([w for w in rec if "pinned memory is unavailable" in str(w.message)]) == 1
+    for epoch in got:
+        assert all(torch.equal(g["x"].cpu(), d["x"]) for g, d in zip(epoch, data, strict=True))
 
 
 def test_a_leaf_larger_than_a_chunk_is_staged_chunk_by_chunk_exactly(monkeypatch):
-    """A 64 MiB leaf in 4 MiB chunks: 16 pinned chunks a batch, every byte exact behind a slow consumer."""
+    """A 64 MiB leaf in 32 MiB chunks: 2 pinned chunks a batch, every byte exact behind a slow consumer."""
     pinned = []
     real = torch.Tensor.pin_memory
 
@@ -144,7 +195,7 @@ def test_a_leaf_larger_than_a_chunk_is_staged_chunk_by_chunk_exactly(monkeypatch
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", counted)
     x = torch.randn(64 << 20 >> 2)
-    with CudaPrefetcher([x, x.neg(), {"small": x[:1000]}], chunk_bytes=4 << 20) as pf:
+    with CudaPrefetcher([x, x.neg(), {"small": x[:1000]}]) as pf:
         got = []
         for b in pf:
             torch.cuda._sleep(SLEEP_CYCLES)
@@ -152,20 +203,20 @@ def test_a_leaf_larger_than_a_chunk_is_staged_chunk_by_chunk_exactly(monkeypatch
     torch.cuda.synchronize()
     assert torch.equal(got[0].cpu(), x) and torch.equal(got[1].cpu(), x.neg())
     assert torch.equal(got[2]["small"].cpu(), x[:1000])
-    assert pinned == [4 << 20] * 32 + [4000]  # a leaf alone within one chunk is pinned whole
+    assert pinned == [32 << 20] * 4 + [4000]  # a leaf alone within one chunk is pinned whole
 
 
 def test_stats_time_the_copies():
-    """One batch in ``TIME_EVERY`` has its copies timed with CUDA events: of 8 batches, batch 1 (the first
-    pays the start-up). Its bytes are the timed ones, accounted even though its copy was still in flight
-    when the epoch ended (``close()`` waits for it). The rate itself is shown by the benchmarks."""
+    """The first batches, then one in ``TIME_EVERY``, have their copies timed with CUDA events, accounted even
+    when a copy was still in flight as the epoch ended (``close()`` waits for it). The rate itself is shown
+    by the benchmarks."""
     data = host_batches(8, "pinned", seed=9, rows=(8192, 8193))
     with CudaPrefetcher(data) as pf:
         list(pf)
     s = pf.stats
     nbytes = [sum(v.nbytes for v in b.values() if isinstance(v, torch.Tensor)) for b in data]
     assert s.batches == 8 and s.bytes == sum(nbytes)
-    assert s.timed_bytes == nbytes[1] and s.copy_s > 0 and s.h2d_GBps > 0
+    assert 0 < s.timed_bytes <= s.bytes and s.copy_s > 0 and s.h2d_GBps > 0
 
 
 def test_staged_leaves_of_every_shape_and_dtype_arrive_as_contiguous_tensors_of_their_own():
@@ -201,7 +252,7 @@ def test_a_loader_may_refill_its_pageable_tensors_once_asked_for_the_next_batch(
             buf["y"].fill_(-i)
             yield buf
 
-    with CudaPrefetcher(loader, depth=3, chunk_bytes=1 << 20) as pf:
+    with CudaPrefetcher(loader, depth=3) as pf:
         got = []
         for b in pf:
             torch.cuda._sleep(SLEEP_CYCLES)
@@ -243,16 +294,11 @@ def test_dataloader_workers_collate_into_pinned_slots_that_a_copy_reads_before_t
     assert not pf._arena._registered and not pf._arena._slots
 
 
-def test_worker_slots_off_or_pinning_off_leaves_the_dataloader_hand_over_as_it_is():
-    for kw in ({"worker_slots": False}, {"pinned_budget": 0}):
-        loader = torch.utils.data.DataLoader(Images(), batch_size=8, num_workers=2)
-        warns = pytest.warns(RuntimeWarning) if "pinned_budget" in kw else contextlib.nullcontext()
-        with warns, CudaPrefetcher(loader, **kw) as pf:
-            assert [int(i[0]) for _, i in pf] == list(range(0, 96, 8))
-        assert pf.stats.slot_batches == 0 and pf._arena is None
-    with pytest.raises(ValueError, match="pinned_budget=0"):
-        loader = torch.utils.data.DataLoader(Images(), num_workers=1)
-        CudaPrefetcher(loader, worker_slots=True, pinned_budget=0)
+def test_worker_slots_off_leaves_the_dataloader_hand_over_as_it_is():
+    loader = torch.utils.data.DataLoader(Images(), batch_size=8, num_workers=2)
+    with CudaPrefetcher(loader, worker_slots=False) as pf:
+        assert [int(i[0]) for _, i in pf] == list(range(0, 96, 8))
+    assert pf.stats.slot_batches == 0 and pf._arena is None
 
 
 def test_slots_that_cannot_be_pinned_are_staged_with_one_warning(monkeypatch):

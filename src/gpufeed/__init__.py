@@ -10,8 +10,8 @@ from importlib import metadata as _metadata
 
 from gpufeed._static import StaticBatch
 from gpufeed.convert import convert_h5_to_raw
-from gpufeed.prefetcher import CudaPrefetcher
 from gpufeed.loaders.source_loader import SourceLoader
+from gpufeed.prefetcher import CudaPrefetcher
 from gpufeed.sources import BatchSource, Field, GDSSource, H5Source, RawSource
 from gpufeed.stats import PrefetchStats
 

@@ -26,7 +26,6 @@ import pytest
 import torch
 
 from gpufeed import host_memory
-
 from gpufeed.sources.base import BatchSource, Rows
 
 
