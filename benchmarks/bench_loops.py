@@ -580,7 +580,12 @@ def run(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
             notes.append("resnet skipped: torchvision is not importable here")
             log(notes[-1])
             continue
-        rows += run_step(specs[name], cfg, log)
+        try:
+            rows += run_step(specs[name], cfg, log)
+        except Exception as exc:  # keep the other steps of a scarce GPU run; the notes say what failed
+            traceback.print_exc()
+            notes.append(f"{name} failed: {type(exc).__name__}: {exc}")
+            free_host_cache()
         log(f"{name} done at {time.perf_counter() - t0:.0f} s")
     compare(rows)
     doc = {**run_info(cfg.device, cfg.smoke),
