@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -105,3 +107,38 @@ def test_bench_resnet_smoke(tmp_path: Path) -> None:
     for name in ("workers0", "gpufeed_unpinned", "ideal"):
         assert "error" not in rows[name], rows[name]
         assert rows[name]["steps_per_s"] > 0 and rows[name]["share_of_ideal"] > 0
+
+
+def test_bench_loops_smoke(tmp_path: Path) -> None:
+    """bench_loops.py --smoke run as a user runs it, in a subprocess: every step, feed and method."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(BENCHMARKS.parent / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    cmd = [sys.executable, str(BENCHMARKS / "bench_loops.py"), "--smoke", "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)  # ~30 s on 2 cores
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+    doc = json.loads((tmp_path / "loops-cpu.json").read_text())
+    assert "| feed |" in (tmp_path / "loops-cpu.md").read_text()
+    assert (tmp_path / "loops-cpu.png").stat().st_size > 1000
+    assert {"card", "torch", "rows", "targets", "config", "notes", "smoke"} <= doc.keys()
+    assert doc["card"] == "cpu" and doc["smoke"] is True
+    ran = {r["step"] for r in doc["rows"]}
+    assert {"mlp", "token", "cnn"} <= ran
+    assert "resnet" in ran or any("resnet skipped" in n for n in doc["notes"])
+    for row in doc["rows"]:
+        assert "error" not in row, row
+        assert {"step", "feed", "method", "steps_per_s", "min", "max"} <= row.keys()
+        assert 0 < row["min"] <= row["steps_per_s"] <= row["max"]
+    for step in ran:
+        rows = [r for r in doc["rows"] if r["step"] == step]
+        assert [(r["feed"], r["method"]) for r in rows if r["method"] == "ideal"] == [("resident", "ideal")]
+        feeds = {r["feed"] for r in rows} - {"resident"}
+        assert {"list-pageable", "list-pinned", "dl1-pin0-pers0", "dl1-pin1-pers1"} <= feeds
+        for feed in feeds:
+            methods = {r["method"] for r in rows if r["feed"] == feed}
+            pin_nb = "dl_pin_nb" if "-pin1-" in feed else "pin_nb"
+            assert methods == {"to", pin_nb, "torchtnt", "spdl", "gpufeed"}, (step, feed, methods)
+        gf = [r for r in rows if r["method"] == "gpufeed"]
+        assert all(r["best_peer"] in ("to", "pin_nb", "dl_pin_nb", "torchtnt", "spdl") for r in gf)
+        assert all(r["vs_best_peer"] > 0 and r["of_ideal"] > 0 for r in gf)
+    assert doc["targets"] and all({"target", "value", "met"} <= t.keys() for t in doc["targets"])
