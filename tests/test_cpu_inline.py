@@ -1,4 +1,4 @@
-"""An epoch runs on the loop's thread: it takes each batch from the loader when the loop asks, ``depth`` ahead."""
+"""An epoch runs on the loop's thread: it takes each batch from the loader when asked, ``depth`` ahead."""
 
 import threading
 import time
@@ -10,6 +10,7 @@ import torch
 from conftest import gpufeed_threads
 from gpufeed import CudaPrefetcher, RawSource, SourceLoader
 from gpufeed.sources import _pread
+
 
 class Pulls:
     """A loader whose iterator counts the batches pulled from it and whether it was closed."""

@@ -98,8 +98,8 @@ def test_tuning_page_states_the_code_defaults():
     rows = _tuning_defaults()
     sig = inspect.signature(CudaPrefetcher)
     assert rows["depth"] == str(sig.parameters["depth"].default)
-    assert rows["chunk_bytes"] == f"{DEFAULT_CHUNK_BYTES >> 20} MiB"
-    assert rows["pinned_budget"] == f"{DEFAULT_PINNED_BUDGET >> 20} MiB"
+    assert "chunk_bytes" not in rows
+    assert rows["pinned_budget` (of `SourceLoader`)"] == f"{DEFAULT_PINNED_BUDGET >> 20} MiB"
     assert rows["static"] == str(sig.parameters["static"].default)
     assert sig.parameters["trace"].default is None  # None: off unless GPUFEED_TRACE=1
     assert rows["trace"] == "False` (or `GPUFEED_TRACE=1`)"
@@ -149,7 +149,7 @@ def test_api_page_examples_run_on_the_cpu(tmp_path, monkeypatch):
     pytest.importorskip("h5py")
     monkeypatch.chdir(tmp_path)
     blocks = re.findall(r"```python\n(.*?)```", (DOCS / "api.md").read_text(), re.S)
-    assert len(blocks) >= 11
+    assert len(blocks) >= 10  # one a public name
     ns: dict = {}
     for code in blocks:
         if "GDSSource(" in code and not torch.cuda.is_available():

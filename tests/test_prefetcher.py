@@ -3,10 +3,7 @@
 import collections
 import dataclasses
 import gc
-import os
 import random
-import subprocess
-import sys
 import threading
 import time
 from collections import OrderedDict, namedtuple
@@ -17,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import gpufeed_threads, wait_no_threads
+from conftest import wait_no_threads
 from gpufeed import CudaPrefetcher, PrefetchStats, RawSource, SourceLoader
 
 Pair = namedtuple("Pair", "a b")

@@ -20,7 +20,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 #: (section title, [dotted names]) in the order they appear on the API page.
 API: list[tuple[str, list[str]]] = [
     ("Prefetcher", ["gpufeed.CudaPrefetcher", "gpufeed.PrefetchStats", "gpufeed.StaticBatch"]),
-    ("Loading from a source", ["gpufeed.SourceLoader", "gpufeed.ReadRequest"]),
+    ("Loading from a source", ["gpufeed.SourceLoader"]),
     ("Sources", ["gpufeed.BatchSource", "gpufeed.Field", "gpufeed.sources.RawSource",
                  "gpufeed.sources.H5Source", "gpufeed.sources.GDSSource", "gpufeed.sources.plan_batches"]),
     ("Conversion", ["gpufeed.convert.convert_h5_to_raw"]),

@@ -128,7 +128,8 @@ class DeviceStage:
             staged, jobs = self.stager.prepare([leaves[i] for i in pageable], device)
             for i, t in zip(pageable, staged, strict=True):
                 out[i] = t
-            jobs = [functools.partial(self._staged, job, [leaves[i] for i in pageable], staged) for job in jobs]
+            host = [leaves[i] for i in pageable]
+            jobs = [functools.partial(self._staged, job, host, staged) for job in jobs]
         consumer = self.streams.current()
         fresh = [out[i] for i, t in enumerate(leaves) if out[i] is not t]
         self.stats.add(bytes=nbytes)
@@ -148,7 +149,8 @@ class DeviceStage:
         return DeviceBatch(batch, end, hb.state, consumer, fresh)
 
     def _on_loop_stream(self, hb: HostBatch, batch: Any, copies: list[tuple[torch.Tensor, torch.Tensor]],
-                        jobs: list[Callable[[], None]], consumer: Any, fresh: list[torch.Tensor]) -> DeviceBatch:
+                        jobs: list[Callable[[], None]], consumer: Any,
+                        fresh: list[torch.Tensor]) -> DeviceBatch:
         """Issue the copies (and the transform) on the loop's own stream, in its order: nothing to fence and
         nothing to wait for at the hand-over (as ``.to(non_blocking=True)`` in the loop)."""
         for dst, src in copies:
@@ -210,7 +212,8 @@ class DeviceStage:
                 warn_pageable("pinned allocation failed")
         job()  # (the stager now stages through pageable clones: correct, synchronous)
 
-    def _transform(self, batch: Any, fresh: list[torch.Tensor], consumer: Any) -> tuple[Any, list[torch.Tensor]]:
+    def _transform(self, batch: Any, fresh: list[torch.Tensor],
+                   consumer: Any) -> tuple[Any, list[torch.Tensor]]:
         """Apply the transform on the copy stream. Its inputs were allocated on the consumer's stream and
         are read here on the copy stream; its outputs are allocated on the copy stream and read by the
         consumer: both are recorded on the stream that reads them."""

@@ -61,7 +61,8 @@ class Stager:
         self.chunk_bytes = chunk_bytes
         self.pin = pin
 
-    def prepare(self, tensors: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor], list[Job]]:
+    def prepare(self, tensors: list[torch.Tensor],
+                device: torch.device) -> tuple[list[torch.Tensor], list[Job]]:
         """The device tensors ``tensors`` will be copied into (allocated now, contiguous), and the jobs that
         fill pinned memory and issue those copies on the then current stream.
 

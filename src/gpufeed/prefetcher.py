@@ -149,7 +149,8 @@ class CudaPrefetcher:
         Open it in https://ui.perfetto.dev or chrome://tracing. Needs ``trace=True`` (or ``GPUFEED_TRACE=1``).
         """
         if self._trace is None:
-            raise RuntimeError("tracing is off: create the prefetcher with trace=True (or set GPUFEED_TRACE=1)")
+            raise RuntimeError("tracing is off: create the prefetcher with trace=True "
+                               "(or set GPUFEED_TRACE=1)")
         return self._trace.write(path)
 
     # -- resumption --------------------------------------------------------------------------------
@@ -241,7 +242,7 @@ class _Epoch:
             if not self._done:
                 self.close("")
             raise
-        if self._done:  # closed from another thread while this one read: this thread ends the loader's iteration
+        if self._done:  # closed from another thread while this one read: this thread ends the iteration
             self._finalizer()
             raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
         if type(item) is DeviceBatch:
@@ -268,7 +269,7 @@ class _Epoch:
                 self._ahead.append(stage.copy(hb))
             except StopIteration:
                 self._ended = True
-            except Exception as exc:  # (the loader's, or the transform's) re-raised after the batches before it
+            except Exception as exc:  # (the loader's or the transform's) raised after the batches before it
                 self._ahead.append(Failure.caught(exc))
                 self._ended = True
 
@@ -328,7 +329,8 @@ def _as_loader(loader: Any) -> Any:
         return loader
     if isinstance(loader, BatchSource) and not isinstance(loader, collections.abc.Iterable):
         raise ValueError(f"CudaPrefetcher wraps something that yields batches; a {type(loader).__name__} is "
-                         "read in batches by a SourceLoader: CudaPrefetcher(SourceLoader(source, batch_size=N))")
+                         "read in batches by a SourceLoader: "
+                         "CudaPrefetcher(SourceLoader(source, batch_size=N))")
     return LoaderAdapter(loader)
 
 
@@ -337,7 +339,8 @@ def _worker_arena(asked: bool | None, loader: Any, adapter: Any, cuda: bool, dep
     """The shared memory a DataLoader's workers collate into, where ``worker_slots`` asks for it."""
     if not isinstance(adapter, LoaderAdapter):
         if asked:
-            raise ValueError("worker_slots=True: a SourceLoader reads into pinned buffers of its own, and has "
+            raise ValueError("worker_slots=True: a SourceLoader reads into pinned buffers of its own, and "
+                             "has "
                              "no DataLoader workers; leave worker_slots unset")
         return None
     if asked is None:
@@ -381,7 +384,8 @@ _ARGS = ("device", "depth", "transform", "static", "trace", "worker_slots")
 def _unexpected_message(kwargs: dict[str, Any]) -> str:
     moved = [k for k in kwargs if k in _LOADER_ARGS]
     if "chunk_bytes" in kwargs:
-        return ("CudaPrefetcher() no longer takes chunk_bytes: pageable tensors are staged in chunks of a fixed "
+        return ("CudaPrefetcher() no longer takes chunk_bytes: pageable tensors are staged in chunks of a "
+                "fixed "
                 "32 MiB, and a SourceLoader reads whole batches; remove the argument")
     if not moved:
         name = next(iter(kwargs))

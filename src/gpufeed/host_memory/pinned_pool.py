@@ -72,7 +72,8 @@ class PinnedPool:
         """
         while True:
             if not self.available:
-                raise PinnedUnavailable("pinned_budget is 0" if self.budget == 0 else "pinned allocation failed")
+                why = "pinned_budget is 0" if self.budget == 0 else "pinned allocation failed"
+                raise PinnedUnavailable(why)
             buf = self.try_acquire(nbytes)
             if buf is not None:
                 return buf
@@ -102,7 +103,8 @@ class PinnedPool:
                     break
                 self._free.remove(buf)  # too small for this request: make room for a bigger one
                 self.allocated -= buf.nbytes
-            if self.available and (self.allocated + size <= self.budget or (self.allocated == 0 and not self._free)):
+            fits = self.allocated + size <= self.budget or (self.allocated == 0 and not self._free)
+            if self.available and fits:
                 return self._allocate(size)
             return None  # every buffer is out; one comes back when its copy completes
 

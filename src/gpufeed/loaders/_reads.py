@@ -96,7 +96,7 @@ class EpochReads:
 
     def _submit_pieces(self, rows: Any, out: dict[str, torch.Tensor], first_here: bool = False) -> list[Any]:
         n = len(rows)
-        if self.submits and not first_here:  # (on the CPU the loop's thread reads: the source's threads spread it)
+        if self.submits and not first_here:  # (on the CPU the loop's thread reads a piece itself)
             try:
                 pending = self.source.submit(rows, out)
             except Exception as exc:  # raised by this batch's read, in its turn
@@ -118,7 +118,8 @@ class EpochReads:
         the reader waits for an event recorded behind them, so the memory the allocator hands out again is
         no longer read by the loop's kernels when the read writes it."""
         n = len(rows)
-        out = {k: torch.empty((n, *f.shape), dtype=f.dtype, device=self.device) for k, f in self.fields.items()}
+        out = {k: torch.empty((n, *f.shape), dtype=f.dtype, device=self.device)
+               for k, f in self.fields.items()}
         allocated = torch.cuda.Event()
         allocated.record()
 
@@ -139,7 +140,7 @@ class EpochReads:
 
 
 class _Batch:
-    """One batch's reads in flight: their futures, the tensors they fill, and the buffer those are views of."""
+    """One batch's reads in flight: their futures, the tensors they fill, the buffer those are views of."""
 
     __slots__ = ("buf", "futures", "out", "pool")
 

@@ -30,7 +30,8 @@ def forward_set_epoch(loader: Any, epoch: int) -> None:
     """Call ``set_epoch`` on the loader, its sampler and its batch sampler, each once."""
     seen: set[int] = set()
     batch_sampler = getattr(loader, "batch_sampler", None)
-    for obj in (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
+    sampler = getattr(loader, "sampler", None)
+    for obj in (loader, sampler, batch_sampler, getattr(batch_sampler, "sampler", None)):
         fn = getattr(obj, "set_epoch", None)
         if obj is not None and callable(fn) and id(obj) not in seen:
             seen.add(id(obj))
@@ -165,7 +166,7 @@ def _batches(loader: Any, arena: WorkerArena | None) -> Iterator[HostBatch]:
                 yield HostBatch(rebuild(views), lease)
             else:
                 yield HostBatch(batch)
-    finally:  # the loader's iterator ends now (a DataLoader shuts its workers down), before the arena is reused
+    finally:  # the iterator ends now (a DataLoader shuts its workers down), before the arena is reused
         if collate is not None and inner.collate_fn is collate:
             inner.collate_fn = original
         close = getattr(it, "close", None)

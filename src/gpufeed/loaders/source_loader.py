@@ -82,7 +82,8 @@ class SourceLoader:
             raise TypeError(f"SourceLoader reads a BatchSource (RawSource, H5Source, GDSSource ...); got "
                             f"{type(source).__name__}: {_what_instead(source)}")
         if pinned_budget is not None and (not isinstance(pinned_budget, int) or pinned_budget < 0):
-            raise ValueError(f"SourceLoader: pinned_budget must be an int >= 0 (bytes), got {pinned_budget!r}")
+            raise ValueError(f"SourceLoader: pinned_budget must be an int >= 0 (bytes), "
+                             f"got {pinned_budget!r}")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"SourceLoader: batch_size must be an int >= 1, got {batch_size!r}")
         if shuffle not in (False, True, "blocks"):
@@ -218,7 +219,8 @@ class SourceLoader:
         if device.type != "cuda":
             if self.pinned_budget and not self._warned:
                 self._warned = True
-                warnings.warn(f"SourceLoader: pinned_budget={self.pinned_budget} sizes pinned reads for a CUDA "
+                warnings.warn(f"SourceLoader: pinned_budget={self.pinned_budget} sizes pinned reads for a "
+                              f"CUDA "
                               f"device; reading for {device}, batches go to pageable memory", RuntimeWarning,
                               stacklevel=4)
             return None

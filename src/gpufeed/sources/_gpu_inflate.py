@@ -142,7 +142,8 @@ def _stage(table: ChunkTable, fd: int, ids: np.ndarray, align: int) -> tuple[tor
     slots = -(-(sizes + align - ZLIB_HEADER) // align) * align
     starts = np.cumsum(slots) - slots + (align - ZLIB_HEADER)
     total = int(slots.sum())
-    host = host_memory.pinned_empty(total) if torch.cuda.is_available() else torch.empty(total, dtype=torch.uint8)
+    cuda = torch.cuda.is_available()
+    host = host_memory.pinned_empty(total) if cuda else torch.empty(total, dtype=torch.uint8)
     mv = host_bytes(host, total)
     for chunk, start, size in zip(ids.tolist(), starts.tolist(), sizes.tolist(), strict=True):
         pread_exact(fd, mv[start : start + size], int(table.offsets[chunk]), table.path)
@@ -175,7 +176,8 @@ def _decode(nv: Any, table: ChunkTable, dev: torch.Tensor, starts: np.ndarray, i
     meta[2] = nb
     meta[3] = scratch.data_ptr() + np.arange(k, dtype=np.int64) * stride
     host_meta = torch.from_numpy(meta)
-    meta_dev = (host_memory.pin(host_meta) if device.type == "cuda" else host_meta).to(device, non_blocking=True)
+    host_meta = host_memory.pin(host_meta) if device.type == "cuda" else host_meta
+    meta_dev = host_meta.to(device, non_blocking=True)
     sizes = torch.full((k,), -1, dtype=torch.int64, device=device)  # -1 until nvCOMP writes the size
     statuses = torch.zeros(k, dtype=torch.int32, device=device)
     temp_bytes = nv.temp_bytes(k, nb, k * nb, stream)
