@@ -17,7 +17,7 @@ def test_export_trace_has_every_batch_and_the_consumer_waits(tmp_path):
         events = json.loads(f.read())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
     assert sorted(e["args"]["batch"] for e in spans if e["name"] == "fetch") == list(range(7))  # + the end
-    assert sorted(e["args"]["batch"] for e in spans if e["name"] == "stage+copy") == list(range(6))
+    assert sorted(e["args"]["batch"] for e in spans if e["name"] == "copy") == list(range(6))
     assert len([e for e in spans if e["name"] == "wait"]) == 7
     assert all(e["dur"] >= 0 for e in spans)
 

@@ -16,7 +16,6 @@ import torch
 
 from gpufeed import _nvtx
 from gpufeed._staging import Stager
-from gpufeed._tracing import TraceRecorder
 from gpufeed._tree import flatten
 from gpufeed.host_memory import HostBatch, PinnedUnavailable, warn_pageable
 from gpufeed.stats import PrefetchStats
@@ -59,12 +58,11 @@ class DeviceStage:
     Without CUDA the stage hands host batches over as they are (memory with a lease is copied out first).
     """
 
-    def __init__(self, device: torch.device, transform: Callable[[Any], Any] | None, stats: PrefetchStats,
-                 trace: TraceRecorder | None) -> None:
+    def __init__(self, device: torch.device, transform: Callable[[Any], Any] | None,
+                 stats: PrefetchStats) -> None:
         self.device = device
         self.transform = transform
         self.stats = stats
-        self.trace = trace
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.streams = _Streams(device, self.stream) if self.cuda else None
@@ -80,7 +78,6 @@ class DeviceStage:
     def copy(self, hb: HostBatch) -> DeviceBatch:
         """Issue the copies of ``hb`` (its host memory goes back once they complete). On CUDA, runs on the
         consumer's thread, whose current stream is the consumer's."""
-        t0 = time.perf_counter()
         try:
             with _nvtx.range("gpufeed.copy"):
                 out = self._to_cuda(hb) if self.cuda else self._to_cpu(hb)
@@ -90,8 +87,6 @@ class DeviceStage:
                     self.stream.synchronize()
                 hb.lease(None)
             raise
-        if self.trace is not None:
-            self.trace.add("copy", int(t0 * 1e9), int(time.perf_counter() * 1e9), "gpufeed")
         return out
 
     def _to_cpu(self, hb: HostBatch) -> DeviceBatch:

@@ -98,7 +98,7 @@ class CudaPrefetcher:
         if trace is None:
             trace = os.environ.get("GPUFEED_TRACE", "0") not in ("", "0", "false", "no")
         self._trace = TraceRecorder() if trace else None
-        self._stage = DeviceStage(self.device, transform, self.stats, self._trace)
+        self._stage = DeviceStage(self.device, transform, self.stats)
         self._static = StaticBuffers() if static else None
         _LIVE.add(self)
 
@@ -222,6 +222,7 @@ class _Epoch:
         self._reason = ""
         self._last_t: float | None = None
         self._handed = 0
+        self._taken = 0  # batches taken from the loader
         self._busy = threading.Lock()  # held while the loop's thread takes from the loader
         self._finalizer = weakref.finalize(self, _close_batches, batches)
 
@@ -258,15 +259,21 @@ class _Epoch:
         """Take batches from the loader and issue their copies until ``depth`` are ahead of the next one."""
         stage, stats, trace = self._stage, self._stats, self._pf._trace
         while not self._ended and not self._done and len(self._ahead) <= self._pf.depth:
+            index = self._taken
             t0 = time.perf_counter()
             try:
-                with _nvtx.range("gpufeed.fetch"):
-                    hb = next(self._batches)
-                t1 = time.perf_counter()
-                stats.fetch_s += t1 - t0
-                if trace is not None:
-                    trace.add("fetch", int(t0 * 1e9), int(t1 * 1e9), "gpufeed")
+                try:
+                    with _nvtx.range("gpufeed.fetch"):
+                        hb = next(self._batches)
+                finally:
+                    t1 = time.perf_counter()
+                    stats.fetch_s += t1 - t0
+                    if trace is not None:
+                        trace.add("fetch", int(t0 * 1e9), int(t1 * 1e9), "gpufeed", batch=index)
+                self._taken += 1
                 self._ahead.append(stage.copy(hb))
+                if trace is not None:
+                    trace.add("copy", int(t1 * 1e9), time.perf_counter_ns(), "gpufeed", batch=index)
             except StopIteration:
                 self._ended = True
             except Exception as exc:  # (the loader's or the transform's) raised after the batches before it
