@@ -549,3 +549,25 @@ def test_a_generator_warns_once_when_its_second_epoch_would_be_empty():
         assert list(pf) == []  # said once
     fresh = CudaPrefetcher(lambda: (torch.full((2,), i) for i in range(3)), device="cpu")
     assert [[int(b[0]) for b in fresh] for _ in range(2)] == [[0, 1, 2], [0, 1, 2]]
+
+
+class Moves:
+    """A custom batch type that moves itself (as torch's pin-memory loop honours ``pin_memory``)."""
+
+    def __init__(self, x, moved_to=None):
+        self.x, self.moved_to = x, moved_to
+
+    def pin_memory(self):
+        return Moves(self.x.pin_memory(), self.moved_to)
+
+    def to(self, device, non_blocking=False):
+        return Moves(self.x.to(device, non_blocking=non_blocking), torch.device(device))
+
+
+def test_a_batch_type_that_moves_itself_is_moved(device):
+    data = [{"m": Moves(torch.full((3,), i)), "t": torch.full((2,), i)} for i in range(4)]
+    with CudaPrefetcher(data, device=device) as pf:
+        got = list(pf)
+    assert [b["m"].moved_to.type for b in got] == [device.type] * 4
+    assert all(b["m"].x.device.type == device.type and b["m"].x.tolist() == [i] * 3 for i, b in enumerate(got))
+    assert [b["t"].tolist() for b in got] == [[i, i] for i in range(4)]

@@ -91,15 +91,16 @@ class DeviceStage:
 
     def _to_cpu(self, hb: HostBatch) -> DeviceBatch:
         leaves, rebuild = flatten(hb.batch)
-        moved = [t if t.device.type == "cpu" else t.cpu() for t in leaves]
+        moved = [_to(t, self.device) if not isinstance(t, torch.Tensor) else t if t.device.type == "cpu"
+                 else t.cpu() for t in leaves]
         if hb.lease is not None:  # the memory goes back: the batch is copied out of it
-            moved = [t.clone() for t in moved]
+            moved = [t.clone() if isinstance(t, torch.Tensor) else t for t in moved]
         batch = rebuild(moved)
         if self.transform is not None:
             batch = self.transform(batch)
         if hb.lease is not None:
             hb.lease(None)
-        self.stats.add(bytes=sum(t.nbytes for t in moved))
+        self.stats.add(bytes=sum(t.nbytes for t in moved if isinstance(t, torch.Tensor)))
         return DeviceBatch(batch, None, hb.state, None, [])
 
     def _to_cuda(self, hb: HostBatch) -> DeviceBatch:
@@ -110,6 +111,9 @@ class DeviceStage:
         pageable: list[int] = []
         nbytes = 0
         for i, t in enumerate(leaves):
+            if not isinstance(t, torch.Tensor):  # a batch type that moves itself: on the loop's stream, in
+                out[i] = _to(t, device)  # its order, as torch's pin-memory loop and `.to()` would
+                continue
             if t.device == device:
                 continue  # already there (a source that reads to the device): not copied again
             nbytes += t.nbytes
@@ -126,7 +130,7 @@ class DeviceStage:
             host = [leaves[i] for i in pageable]
             jobs = [functools.partial(self._staged, job, host, staged) for job in jobs]
         consumer = self.streams.current()
-        fresh = [out[i] for i, t in enumerate(leaves) if out[i] is not t]
+        fresh = [o for o, t in zip(out, leaves, strict=True) if o is not t and isinstance(o, torch.Tensor)]
         self.stats.add(bytes=nbytes)
         self._count += 1
         if self.costs.on_loop_stream(nbytes, self._count):
@@ -305,6 +309,13 @@ class _Costs:
     def _update(self) -> None:
         if self._issue_s is not None and self._wait_s is not None:
             self.calls_s = self._issue_s + self._wait_s
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    """A batch type that moves itself, pinned first where it can pin itself (as torch's pin-memory loop)."""
+    if device.type == "cuda" and callable(getattr(obj, "pin_memory", None)):
+        obj = obj.pin_memory()
+    return obj.to(device, non_blocking=True)
 
 
 def _average(old: float | None, new: float) -> float:

@@ -1,8 +1,9 @@
 """Flatten a batch of any structure into its leaves, and rebuild the same structure around new leaves.
 
-Tensors and numpy arrays are leaves that move; everything else (str, int, None, custom objects)
-passes through untouched. Types are preserved: a namedtuple stays that namedtuple, a dataclass the
-same dataclass, an OrderedDict an OrderedDict.
+Tensors and numpy arrays are leaves that move, and so is an object of any other type that moves itself (a
+custom batch type with a ``to`` method, as torch's pin-memory loop honours one with ``pin_memory``);
+everything else (str, int, None) passes through untouched. Types are preserved: a namedtuple stays that
+namedtuple, a dataclass the same dataclass, an OrderedDict an OrderedDict.
 """
 
 from __future__ import annotations
@@ -60,9 +61,16 @@ def _compile(obj: Any, leaves: list[Any], leaf: Any) -> Rebuild:
         if cls in (list, tuple):
             return lambda new: cls(p(new) for p in parts)
         return lambda new: _rebuild_sequence(obj, [p(new) for p in parts])
+    if leaf is torch.Tensor and moves_itself(obj):
+        return _leaf(obj, leaves)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return _compile_dataclass(obj, leaves, leaf)
     return lambda new: obj
+
+
+def moves_itself(obj: Any) -> bool:
+    """Whether ``obj`` is a custom batch type that moves itself to a device (``obj.to(device)``)."""
+    return (not isinstance(obj, (type, torch.Tensor, torch.nn.Module)) and callable(getattr(obj, "to", None)))
 
 
 def _leaf(tensor: Any, leaves: list[Any]) -> Rebuild:
