@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gpufeed import _nvtx
+from gpufeed import _nvtx, host_memory
 from gpufeed._staging import Stager
 from gpufeed._tree import flatten
 from gpufeed.host_memory import HostBatch, PinnedUnavailable, warn_pageable
@@ -314,7 +314,7 @@ class _Costs:
 def _to(obj: Any, device: torch.device) -> Any:
     """A batch type that moves itself, pinned first where it can pin itself (as torch's pin-memory loop)."""
     if device.type == "cuda" and callable(getattr(obj, "pin_memory", None)):
-        obj = obj.pin_memory()
+        obj = host_memory.pin(obj)
     return obj.to(device, non_blocking=True)
 
 

@@ -39,8 +39,9 @@ class PinnedUnavailable(RuntimeError):
     """Pinned memory is not available (a budget of 0, or the allocation failed): copy from pageable memory."""
 
 
-def pin(t: torch.Tensor) -> torch.Tensor:
-    """``t`` copied into a pinned block of torch's caching host allocator."""
+def pin(t: Any) -> Any:
+    """``t`` copied into a pinned block of torch's caching host allocator (or a batch type of its own that
+    pins itself, by its ``pin_memory()``)."""
     try:
         return t.pin_memory()
     except RuntimeError as exc:  # cudaHostAlloc refused (locked-memory limit)
