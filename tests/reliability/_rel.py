@@ -343,8 +343,7 @@ def shut_down_loader_workers(exc: BaseException) -> int:
             n += 1
         tb = tb.tb_next
     # A worker's death can also surface in the main thread, raised by the SIGCHLD handler that a
-    # DataLoader first iterated there installs: that traceback holds no iterator, and the epoch's fetch
-    # thread may still be inside it (for up to the DataLoader's 5 s status interval).
+    # DataLoader first iterated there installs: that traceback holds no iterator.
     for obj in gc.get_objects():
         if type(obj) is _MultiProcessingDataLoaderIter and not obj._shutdown:  # (no __class__ lookups)
             obj._shutdown_workers()

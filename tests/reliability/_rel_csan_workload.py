@@ -1,7 +1,8 @@
 """Run by test_rel_gpu.py under ``TORCH_CUDA_SANITIZER=1``: the prefetcher's stream hand-over, watched by
 PyTorch's CUDA sanitizer (CSAN), which prints "CSAN detected a possible data race" on any unsynchronized
 access. Unpinned, pinned and device batches; a slow consumer on the default stream and on a side stream;
-a source read into pinned staging; batches freed right after use and batches kept. Prints "CSAN OK".
+a source read into the pinned pool (two buffers, reused once their copies completed); batches freed right
+after use and batches kept. Prints "CSAN OK".
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def main() -> int:
     want = sum(float(b["x"].double().sum() + b["y"].double().sum().cpu() + b["m"].double().sum())
                for b in data)
     keep: list = []
-    with CudaPrefetcher(data, depth=3, chunk_bytes=64 << 10) as pf:
+    with CudaPrefetcher(data, depth=3) as pf:
         got = consume(pf, keep)
         side = torch.cuda.Stream()
         with torch.cuda.stream(side):
@@ -58,8 +59,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         x = np.random.default_rng(0).integers(0, 256, (600, 1024), dtype=np.uint8)
         np.save(Path(tmp) / "x.npy", x)
-        with CudaPrefetcher(SourceLoader(RawSource(Path(tmp) / "x.npy"), batch_size=64, shuffle=True),
-                            depth=2, chunk_bytes=64 << 10) as pf:
+        loader = SourceLoader(RawSource(Path(tmp) / "x.npy"), batch_size=64, shuffle=True,
+                              pinned_budget=128 << 10)  # batches of 64 KiB: two buffers
+        with CudaPrefetcher(loader, depth=2) as pf:
             s = torch.zeros((), device="cuda", dtype=torch.int64)
             for b in pf:
                 torch.cuda._sleep(500_000)

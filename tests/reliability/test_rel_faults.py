@@ -64,15 +64,6 @@ def stopped():
     return wait_no_threads(5.0)
 
 
-def fetch_stopped(timeout=5.0):
-    """Seconds until no epoch (fetch) thread is alive."""
-    t0 = time.monotonic()
-    while [t for t in threading.enumerate() if t.name == "gpufeed-fetch"]:
-        assert time.monotonic() - t0 < timeout, "the epoch's thread is still alive"
-        time.sleep(0.005)
-    return time.monotonic() - t0
-
-
 # -- sources ---------------------------------------------------------------------------------------
 
 @pytest.mark.timeout(30)
@@ -320,7 +311,7 @@ def test_source_consumer_raises(disk, device):
     with CudaPrefetcher(SourceLoader(disk.open(), batch_size=BS), device=device, depth=4) as pf:
         with pytest.raises(KeyError):
             _consume_and_raise(pf, 3)
-        t = stopped()  # the for loop's iterator died with the frame: its threads (fetch, readers) stopped
+        t = stopped()  # the for loop's iterator died with the frame: its reader threads stopped
         full_epoch(pf, disk, epoch=1)
     note(f"thread gone {t:.2f} s after the consumer's exception; next epoch complete")
 
@@ -346,16 +337,23 @@ def _interrupted_next(it, after, how):
         timer.join()
 
 
+@pytest.mark.xfail(strict=True, reason="src bug: a KeyboardInterrupt raised in a read run inline on the "
+                   "loop's thread for a batch read ahead (_threads.run_now) is caught into that batch's "
+                   "Future: next() returns, the Ctrl-C surfaces READS_AHEAD batches later, or never if the "
+                   "epoch stops first")
 @pytest.mark.parametrize("how", ["interrupt_main", "raise_signal"])
 def test_source_ctrl_c_during_next(disk, device, how):
-    """SIGINT while the consumer waits in next(): KeyboardInterrupt, thread stops, next epoch works."""
-    # The read of batch 5 takes 0.6 s; the fetch thread reads it (it takes over from the third batch).
-    src = FaultySource(disk.open(), block_row=5 * BS, block_s=0.6)
+    """SIGINT while the consumer waits in next(): KeyboardInterrupt, threads stop, next epoch works."""
+    from gpufeed.loaders._reads import READS_AHEAD
+
+    # The sixth next() hands out batch 5, takes batch 5 + depth (2) from the loader, which starts the read
+    # of the batch READS_AHEAD after that: a small read, on the loop's thread. That read takes 0.6 s.
+    src = FaultySource(disk.open(), block_row=(5 + 2 + READS_AHEAD) * BS, block_s=0.6)
     with CudaPrefetcher(SourceLoader(src, batch_size=BS), device=device, depth=2) as pf:
         it = iter(pf)
         got = [keep(next(it)) for _ in range(5)]
         waited = _interrupted_next(it, 0.15, how)
-        t = stopped()  # the epoch's fetch thread and its reader threads
+        t = stopped()  # the epoch's reader threads
         check_epoch(got, disk.data, plan()[:5])
         with pytest.raises(StopIteration):
             next(it)  # the interrupted iterator ends; it never hands out a stale batch
@@ -578,13 +576,13 @@ def test_loader_ctrl_c_during_next(kind, how, device, tmp_path):
     if kind == "generator":
         def slow():
             for i in range(N // 4):
-                if i == 5:  # read by the fetch thread, which takes over from the third batch
+                if i == 7:  # taken by the sixth next(), depth (2) ahead of batch 5, which it hands out
                     time.sleep(0.6)
                 idx = torch.arange(i * 4, i * 4 + 4)
                 yield {"x": idx[:, None].expand(-1, 4).clone(), "i": idx}
         loader = slow
     else:
-        loader = DataLoader(Rows(N, at=21, what="slow", delay=0.6), batch_size=4, num_workers=2)
+        loader = DataLoader(Rows(N, at=7 * 4 + 1, what="slow", delay=0.6), batch_size=4, num_workers=2)
     with CudaPrefetcher(loader, device=device, depth=2) as pf:
         it = iter(pf)
         got = [keep(next(it)) for _ in range(5)]
@@ -650,7 +648,6 @@ def test_failed_epoch_frees_its_loader_iterator():
             with pytest.raises(LookupError):
                 for _ in pf:
                     pass
-            fetch_stopped()
             assert refs[0]() is None, "alive until a GC pass: a reference cycle holds the failed iterator"
     finally:
         gc.enable()

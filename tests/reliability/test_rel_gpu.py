@@ -103,16 +103,26 @@ def test_gds_file_deleted_mid_epoch(gds):
 
 
 @pytest.mark.timeout(60)
-def test_gds_ctrl_c_during_next(gds):
-    """SIGINT while the consumer waits on a slow GDSSource read: KeyboardInterrupt, the thread stops, the
+def test_gds_ctrl_c_during_next(gds, request):
+    """SIGINT while the consumer waits on a slow GDSSource read: KeyboardInterrupt, the threads stop, the
     next epoch is complete."""
     import _thread
 
+    from gpufeed.loaders._reads import READS_AHEAD
+
     disk, make = gds
-    src = FaultySource(make(), block_row=8 * 16, block_s=1.0)
+    src = FaultySource(make(), block_s=1.0)
+    # The ninth next() hands out batch 8 and takes batch 8 + depth (2). Reading to the device ("gds"), that
+    # batch's read runs on a reader thread, which the ninth next() waits for; reading to the host
+    # ("compat"), it starts the read of the batch READS_AHEAD after it: a small read, on the loop's thread.
+    if src.reads_to == "host":
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason="src bug: a KeyboardInterrupt raised in a read run inline for a batch read "
+                                "ahead (_threads.run_now) is caught into that batch's Future"))
+    src.block_row = (8 + 2 + (READS_AHEAD if src.reads_to == "host" else 0)) * 16
     with CudaPrefetcher(SourceLoader(src, batch_size=16), depth=2) as pf:
         it = iter(pf)
-        [next(it) for _ in range(8)]  # the fetch thread reads ahead from the third: batch 8 is blocked
+        [next(it) for _ in range(8)]
         timer = threading.Timer(0.15, _thread.interrupt_main)
         timer.start()
         try:
@@ -193,7 +203,7 @@ def test_stress_slow_consumer_kernels_many_prefetchers():
             data = [random_batch(rng, g) for _ in range(150)]
             want = [[int(digest(t.cpu())) for t in leaves(b)] for b in data]
             stream = torch.cuda.Stream()
-            with torch.cuda.stream(stream), CudaPrefetcher(data, depth=1 + k % 4, chunk_bytes=64 << 10) as pf:
+            with torch.cuda.stream(stream), CudaPrefetcher(data, depth=1 + k % 4) as pf:
                 for _ in range(2):
                     got = []
                     for b in pf:
@@ -223,12 +233,13 @@ def test_stress_slow_consumer_kernels_many_prefetchers():
 @pytest.mark.parametrize("kind", ["raw", "h5-chunked", "h5-gzip"])
 @pytest.mark.parametrize("depth", [1, 2, 4])
 def test_stress_source_slow_consumer(kind, depth, tmp_path):
-    """A source through the pinned staging ring under a slow consumer: shuffled, 3 epochs, exact."""
+    """A source through a pinned pool of two batches' buffers under a slow consumer (each read waits for a
+    buffer whose copy, queued behind the consumer's kernels, completed): shuffled, 3 epochs, exact."""
     if kind != "raw":
         pytest.importorskip("h5py")
     disk = OnDisk(kind, tmp_path, n=960)
-    with CudaPrefetcher(SourceLoader(disk.open(), batch_size=32, shuffle=True),
-                        depth=depth, chunk_bytes=4096) as pf:
+    loader = SourceLoader(disk.open(), batch_size=32, shuffle=True, pinned_budget=8192)  # batches of 1.7 KB
+    with CudaPrefetcher(loader, depth=depth) as pf:
         for epoch in range(3):
             got = []
             for b in pf:
@@ -236,7 +247,8 @@ def test_stress_source_slow_consumer(kind, depth, tmp_path):
                 got.append(keep(b))
             check_epoch(got, disk.data, plan_batches(disk.n, 32, shuffle=True, epoch=epoch))
     wait_no_threads()
-    note("every byte equal under a slow consumer, 3 shuffled epochs")
+    assert loader._pool.allocated == 8192 and loader._pool.allocations == 2  # two 4 KiB buffers, reused
+    note("every byte equal under a slow consumer, 3 shuffled epochs, through two pinned buffers")
 
 
 @pytest.mark.timeout(600)
@@ -256,48 +268,40 @@ def test_cuda_sanitizer_reports_no_race():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("row_mib", [1, 4])
 def test_source_batch_larger_than_the_pinned_budget(row_mib, tmp_path):
-    """Source mode with a 2 MiB pinned budget: 8 MiB batches of 1 MiB rows, and rows of 4 MiB (one row
-    larger than the whole budget). Exact bytes; the pool stays within max(budget, one row).
+    """Source mode with a 2 MiB pinned budget: 8 MiB batches of 1 MiB rows, and of 4 MiB rows (one row
+    larger than the whole budget). Each batch is read whole into one buffer of its size, one buffer at a
+    time: exact bytes; the pool holds that one 8 MiB buffer, reused for every batch.
     (The loader-mode case: test_cuda.py::test_a_leaf_larger_than_a_chunk_is_staged_chunk_by_chunk_exactly.)
     """
     row = row_mib << 20
     x = np.random.default_rng(row_mib).integers(0, 256, (24, row), dtype=np.uint8)
     np.save(tmp_path / "x.npy", x)
-    with CudaPrefetcher(SourceLoader(RawSource(tmp_path / "x.npy"), batch_size=8 // row_mib or 1),
-                        depth=2, pinned_budget=2 << 20, chunk_bytes=1 << 20) as pf:
+    loader = SourceLoader(RawSource(tmp_path / "x.npy"), batch_size=8 // row_mib, pinned_budget=2 << 20)
+    with CudaPrefetcher(loader, depth=2) as pf:
         got = [b["x"].cpu() for b in pf]
-        assert pf._pool.allocated <= max(2 << 20, row + (1 << 20))  # one chunk of slack: alignment
+        assert loader._pool.allocated == 8 << 20 and loader._pool.allocations == 1
     assert torch.equal(torch.cat(got), torch.from_numpy(x))
     checked(len(got), 0, x.nbytes)
-    note(f"exact; pool at most max(2 MiB budget, one {row_mib} MiB row + a chunk)")
+    note("exact; the pool held one 8 MiB buffer (one batch) over a 2 MiB budget, reused for every batch")
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["loader", "source"])
-def test_pinned_budget_zero_falls_back_with_one_warning_in_both_modes(mode, tmp_path):
-    """pinned_budget=0: pageable copies, exactly one RuntimeWarning, no pinned memory, exact bytes, in
-    loader mode and in source mode (regression: finding 6; the loader-mode case is also
-    tests/test_cuda.py::test_pinned_budget_zero_falls_back_with_one_warning)."""
+def test_source_pinned_budget_zero_falls_back_with_one_warning(tmp_path):
+    """SourceLoader(pinned_budget=0): reads into pageable memory, exactly one RuntimeWarning over two
+    epochs, nothing in the pool, exact bytes (regression: finding 6)."""
     import warnings
 
     disk = OnDisk("raw", tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if mode == "source":
-            with CudaPrefetcher(SourceLoader(disk.open(), batch_size=16), pinned_budget=0) as pf:
-                for epoch in range(2):
-                    check_epoch([keep(b) for b in pf], disk.data, plan_batches(disk.n, 16, epoch=epoch))
-                assert pf._pool.allocated == 0
-        else:
-            data = [{"x": torch.from_numpy(disk.data["x"][i : i + 16]), "y": torch.from_numpy(
-                disk.data["y"][i : i + 16]), "w": torch.from_numpy(disk.data["w"][i : i + 16])}
-                for i in range(0, disk.n, 16)]
-            with CudaPrefetcher(data, pinned_budget=0) as pf:
-                check_epoch([keep(b) for b in pf], disk.data, plan_batches(disk.n, 16))
-                assert pf._pool.allocated == 0
-    said = [w for w in caught if "pinned staging is off" in str(w.message)]
+        loader = SourceLoader(disk.open(), batch_size=16, pinned_budget=0)
+        with CudaPrefetcher(loader) as pf:
+            for epoch in range(2):
+                check_epoch([keep(b) for b in pf], disk.data, plan_batches(disk.n, 16, epoch=epoch))
+            assert loader._pool.allocated == 0 and loader._pool.allocations == 0
+    said = [w for w in caught if "pinned_budget is 0" in str(w.message)]
     assert len(said) == 1, [str(w.message) for w in caught]
-    note("exact; one warning; no pinned memory")
+    note("exact; one warning; no pinned memory in the pool")
 
 
 @pytest.mark.timeout(120)

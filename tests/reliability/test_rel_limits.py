@@ -21,32 +21,34 @@ from _rel import OnDisk, check_epoch, checked, keep, note, open_fds
 
 from conftest import wait_no_threads
 from gpufeed import CudaPrefetcher, SourceLoader
-from gpufeed._worker import Stopped
-from gpufeed.pinned_pool import PinnedPool
+from gpufeed._staging import Stager
+from gpufeed._threads import Stopped
+from gpufeed.host_memory import PinnedUnavailable
+from gpufeed.host_memory.pinned_pool import PinnedPool
 from gpufeed.sources import RawSource, plan_batches
-from gpufeed.staging import Stager
 
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("mode", ["loader", "source"])
 def test_cpu_pinned_budget_zero_is_silent(mode, tmp_path):
-    """pinned_budget=0 on the CPU path (which never pins): exact batches and not a single warning."""
+    """pinned_budget=0 (a SourceLoader's) on the CPU path, which never pins, and a plain loader on the CPU
+    (which has no pinned_budget): exact batches, not a single warning, no pinned memory."""
     disk = OnDisk("raw", tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if mode == "source":
-            with CudaPrefetcher(SourceLoader(disk.open(), batch_size=16),
-                                device="cpu", pinned_budget=0) as pf:
+            loader = SourceLoader(disk.open(), batch_size=16, pinned_budget=0)
+            with CudaPrefetcher(loader, device="cpu") as pf:
                 for epoch in range(2):
                     check_epoch([keep(b) for b in pf], disk.data, plan_batches(disk.n, 16, epoch=epoch))
-                assert pf._pool.allocated == 0
+                assert loader._pool is None  # no pool is made for reads on the CPU
         else:
             data = [{"x": torch.randn(64, 8), "i": i} for i in range(20)]
-            with CudaPrefetcher(data, device="cpu", pinned_budget=0) as pf:
+            with CudaPrefetcher(data, device="cpu") as pf:
                 got = [keep({"x": b["x"]}) for b in pf]
             assert all(torch.equal(g["x"], d["x"]) for g, d in zip(got, data, strict=True))
             checked(len(got))
-            assert pf._pool.allocated == 0
+            assert pf._arena is None  # no worker arena (nothing pinned) on the CPU
     assert [str(w.message) for w in caught] == []
     wait_no_threads()
     note("exact batches, no warning, no pool memory")
@@ -59,8 +61,8 @@ STOP = threading.Event()
 def test_pool_serves_a_request_larger_than_its_budget():
     """PinnedPool (pin=False): a request 16x its budget is served by one buffer; while that buffer is out
     a second request waits (bounded by its stop flag) and gets it once it is released."""
-    budget, chunk = 64 << 10, 16 << 10
-    pool = PinnedPool(budget, chunk, pin=False)
+    budget = 64 << 10
+    pool = PinnedPool(budget, pin=False)
     big = pool.acquire(1 << 20, STOP)
     assert big.nbytes >= 1 << 20 and pool.allocated == big.nbytes > budget
     assert pool.try_acquire(1000) is None  # over budget: nothing more is allocated
@@ -86,10 +88,18 @@ def test_pool_serves_a_request_larger_than_its_budget():
 @pytest.mark.parametrize("chunk", [4096, 64 << 10, 1 << 20])
 def test_stager_stages_a_tensor_many_chunks_long(chunk):
     """The stager (host memory for pinned) moves a 3 MiB tensor in chunks of 4 KiB, 64 KiB or 1 MiB:
-    every byte arrives in a tensor of its own."""
+    every byte arrives in a tensor of its own, one staged block per chunk."""
     src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
-    out = Stager(chunk, pin=False).to(src, torch.device("cpu"))
-    assert torch.equal(out, src)
+    stager = Stager(chunk, pin=False)
+    staged = []
+    real = stager._pinned
+    stager._pinned = lambda t: (staged.append(t.numel()), real(t))[1]
+    outs, jobs = stager.prepare([src], torch.device("cpu"))
+    assert len(outs) == 1 and outs[0].data_ptr() != src.data_ptr()
+    for job in jobs:
+        job()
+    assert torch.equal(outs[0], src)
+    assert staged == [chunk] * ((3 << 20) // chunk)  # chunk by chunk
     checked(1, 0, src.numel())
     note("every byte staged")
 
@@ -109,11 +119,9 @@ def _failing_pin(monkeypatch):
 @pytest.mark.timeout(30)
 def test_pinned_allocation_failure_makes_the_pool_unavailable(monkeypatch):
     """Pinning fails: the pool says so (``available`` False) and hands out nothing, instead of raising
-    into the consumer, so the prefetcher takes its pageable path (regression: finding 5)."""
-    from gpufeed.staging import PinnedUnavailable
-
+    into the consumer, so the SourceLoader reads into pageable memory (regression: finding 5)."""
     _failing_pin(monkeypatch)
-    pool = PinnedPool(1 << 20, 4096, pin=True)
+    pool = PinnedPool(1 << 20, pin=True)
     assert pool.try_acquire(4096) is None and not pool.available and pool.allocated == 0
     with pytest.raises(PinnedUnavailable, match="pinned allocation failed"):
         pool.acquire(4096, STOP)
@@ -124,9 +132,7 @@ def test_pinned_allocation_failure_makes_the_pool_unavailable(monkeypatch):
 @pytest.mark.timeout(30)
 def test_pool_with_a_budget_of_zero_hands_out_nothing():
     """A budget of 0 pins nothing, even for a request no buffer could hold (regression: finding 6)."""
-    from gpufeed.staging import PinnedUnavailable
-
-    pool = PinnedPool(0, 4096, pin=False)
+    pool = PinnedPool(0, pin=False)
     assert pool.try_acquire(8192) is None and pool.allocated == 0 and not pool.available
     with pytest.raises(PinnedUnavailable, match="pinned_budget is 0"):
         pool.acquire(8192, STOP)

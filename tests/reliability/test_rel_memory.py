@@ -1,4 +1,5 @@
-"""Memory and resources over many epochs: process RSS, Python objects, the pinned pool, threads, file
+"""Memory and resources over many epochs: process RSS, Python objects, gpufeed's host buffers (a
+SourceLoader's pinned pool or CPU buffers, torch's pinned blocks that staging takes), threads, file
 descriptors and (on the GPU machine) CUDA memory stay flat after the first epochs.
 """
 
@@ -12,9 +13,9 @@ import pytest
 import torch
 from _rel import KINDS, OnDisk, check_epoch, checked, keep, note, open_fds, rss_bytes
 
-from conftest import staging, wait_no_threads
+from conftest import wait_no_threads
 from gpufeed import CudaPrefetcher, SourceLoader
-from gpufeed.pinned_pool import PinnedPool
+from gpufeed.host_memory.pinned_pool import PinnedPool
 from gpufeed.sources import plan_batches
 
 MiB = 1 << 20
@@ -25,6 +26,22 @@ WARM = 5  # epochs before the baseline: allocator pools, lazy imports, h5py cach
 def _needs(kind):
     if kind not in ("raw", "raw-multi"):
         pytest.importorskip("h5py")
+
+
+def _host_buffers(pf, device):
+    """``(bytes, buffers)`` of the host memory gpufeed keeps for reuse: a SourceLoader's pinned pool (CUDA)
+    or its reused CPU buffers (CPU); for any other loader, the pinned blocks of torch's caching host
+    allocator, which staging takes (CUDA)."""
+    loader = pf.source
+    if isinstance(loader, SourceLoader):
+        if loader._pool is not None:
+            return loader._pool.allocated, loader._pool.allocations
+        slots = loader._cpu._all
+        return sum(a.nbytes for s in slots for a in s.arrays.values()), len(slots)
+    if device.type == "cuda":
+        stats = torch.cuda.host_memory_stats()
+        return stats.get("allocated_bytes.current", 0), stats.get("allocations.current", 0)
+    return 0, 0
 
 
 class Marks:
@@ -43,12 +60,12 @@ class Marks:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             cuda = (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
-        pool = self.pf._pool
+        pool, buffers = _host_buffers(self.pf, self.device)
         # A SourceLoader's reader pool starts its threads on demand, up to num_threads: count them apart.
         fill = sum(t.name.startswith("gpufeed-read") for t in threading.enumerate())
         assert fill <= getattr(self.pf.source, "num_threads", 0), fill
-        self.rows.append({"rss": rss_bytes(), "objects": len(gc.get_objects()), "pool": pool.allocated,
-                          "buffers": pool.allocations, "fds": len(open_fds()),
+        self.rows.append({"rss": rss_bytes(), "objects": len(gc.get_objects()), "pool": pool,
+                          "buffers": buffers, "fds": len(open_fds()),
                           "threads": threading.active_count() - fill, "cuda": cuda})
 
     def check(self, rss_slack=5 * MiB, objects_slack=300):
@@ -78,9 +95,10 @@ def fresh_batches(n, rows=4096, seed=0):
 
 @pytest.mark.timeout(90)
 def test_loader_50_epochs_flat(device):
-    """50 epochs of a loader with fresh tensors: RSS, objects, pool, threads, fds (and CUDA memory) flat."""
+    """50 epochs of a loader with fresh tensors: RSS, objects, pinned blocks, threads, fds (and CUDA memory)
+    flat."""
     loader = fresh_batches(8)
-    with CudaPrefetcher(loader, device=device, depth=3, **staging(device, chunk_bytes=256 << 10)) as pf:
+    with CudaPrefetcher(loader, device=device, depth=3) as pf:
         marks = Marks(pf, device)
         # Exact integer checksums: a float sum differs between the CPU and the GPU in its last bits.
         expected = [b["x"].view(torch.int32).to(torch.int64).sum().item() for b in loader()]
@@ -99,7 +117,8 @@ def test_loader_50_epochs_flat(device):
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("kind", ["raw", "h5-contiguous", "h5-gzip"])
 def test_source_50_epochs_flat(kind, device, tmp_path):
-    """50 shuffled epochs of a source: RSS, objects, pool, threads, fds (and CUDA memory) flat."""
+    """50 shuffled epochs of a source: RSS, objects, the loader's buffers (pinned pool on CUDA, CPU buffers
+    on the CPU), threads, fds (and CUDA memory) flat."""
     _needs(kind)
     disk = OnDisk(kind, tmp_path)
     shuffle = "blocks" if kind == "h5-gzip" else True  # random rows through h5py cost 10 ms a batch
@@ -114,7 +133,7 @@ def test_source_50_epochs_flat(kind, device, tmp_path):
         growth = marks.check()
     wait_no_threads()
     note(f"{EPOCHS} shuffled epochs: RSS +{growth / MiB:.2f} MiB (median of epochs {WARM}-15 to "
-         f"40-{EPOCHS}); objects, threads, descriptors (and CUDA memory) unchanged")
+         f"40-{EPOCHS}); objects, buffers, threads, descriptors (and CUDA memory) unchanged")
 
 
 @pytest.mark.timeout(60)
@@ -187,14 +206,14 @@ def test_pinned_pool_flat_over_50_rounds():
     """The pool (host memory standing in for pinned) under 50 rounds of random requests: allocations stop
     after the first rounds, its size never exceeds the budget, every buffer comes back."""
     rng = np.random.default_rng(0)
-    budget, chunk = 256 << 10, 32 << 10
-    pool = PinnedPool(budget, chunk, pin=False)
+    budget = 256 << 10
+    pool = PinnedPool(budget, pin=False)
     stop = threading.Event()
-    sizes = [int(s) for s in rng.integers(1, 2 * chunk, size=8)]
+    sizes = [int(s) for s in rng.integers(1, 64 << 10, size=8)]
     seen = []
     for _ in range(50):
         held = []
-        for size in sizes:  # as a source batch takes buffers: wait for one only when it holds none
+        for size in sizes:  # as an epoch's reads take buffers: wait for one only when it holds none
             buf = pool.acquire(size, stop) if not held else pool.try_acquire(size)
             if buf is None:
                 pool.release(held.pop(0), None)

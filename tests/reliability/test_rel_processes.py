@@ -1,5 +1,6 @@
-"""Fork and processes: sources inside DataLoader workers (fork and spawn), a fork while a prefetcher's
-thread runs, interpreter exit with live prefetchers, and two prefetchers over one file at once.
+"""Fork and processes: sources inside DataLoader workers (fork and spawn), a fork mid-epoch and while a
+reader thread is inside a read, interpreter exit with live prefetchers, and two prefetchers over one file
+at once.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def test_sources_in_spawned_dataloader_workers(tmp_path, device):
     note("RawSource and H5Source (gzip) pickled into 2 spawned workers: every row once, every byte equal")
 
 
-# -- os.fork while a prefetcher's thread runs ------------------------------------------------------
+# -- os.fork mid-epoch, and while a reader thread reads --------------------------------------------
 
 def _digest(arrays):
     h = hashlib.sha256()
@@ -165,8 +166,9 @@ def _collect_child(pid, r, timeout=30.0):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", KINDS)
 def test_fork_while_prefetcher_thread_alive(kind, device, tmp_path):
-    """os.fork while a prefetcher is mid-epoch (its thread alive, waiting for the consumer): the child
-    reads the source and runs a prefetcher of its own; the parent's epoch continues exactly."""
+    """os.fork while a prefetcher is mid-epoch (batches taken ahead, reads started ahead, waiting for the
+    consumer): the child reads the source and runs a prefetcher of its own; the parent's epoch continues
+    exactly."""
     _needs(kind)
     disk = OnDisk(kind, tmp_path)
     src = disk.open()
@@ -174,7 +176,7 @@ def test_fork_while_prefetcher_thread_alive(kind, device, tmp_path):
     with CudaPrefetcher(SourceLoader(src, batch_size=16, shuffle=True), device=device, depth=2) as pf:
         it = iter(pf)
         got = [keep(next(it)) for _ in range(3)]
-        time.sleep(0.1)  # the thread has filled its slots and waits for the consumer
+        time.sleep(0.1)  # the epoch has taken its batches ahead and waits for the consumer
         pid, r = _fork_and_wait_child(src, disk.data)
         got += [keep(b) for b in it]
         check_epoch(got, disk.data, plan)
@@ -188,17 +190,28 @@ def test_fork_while_prefetcher_thread_alive(kind, device, tmp_path):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", BY_OFFSET)
-def test_fork_while_a_read_is_in_flight(kind, tmp_path):
+def test_fork_while_a_read_is_in_flight(kind, tmp_path, monkeypatch):
     """os.fork while the prefetcher's reader thread is inside a read (by-offset sources): the child still
     reads. (The h5py path has its own case below.)"""
+    import gpufeed.loaders._read_plan as rp
+    from gpufeed.loaders._reads import READS_AHEAD
+
     _needs(kind)
     disk = OnDisk(kind, tmp_path)
-    src = FaultySource(disk.open(), block_row=5 * 16, block_s=0.5)
-    with CudaPrefetcher(SourceLoader(src, batch_size=16), device="cpu", depth=4) as pf:
+    # Each batch is cut into two reads, rows 0-7 on the loop's thread and rows 8-15 on a reader thread. The
+    # third next() takes batch 2 + depth (4) and starts the reads of the batch READS_AHEAD after it: the
+    # reader thread's half of that batch is held for 1 s.
+    monkeypatch.setattr(rp, "MIN_READ_BYTES", 0)
+    held = 2 + 4 + READS_AHEAD
+    src = FaultySource(disk.open(), block_row=held * 16 + 8, block_s=1.0)
+    t0 = time.monotonic()  # (before that read starts)
+    with CudaPrefetcher(SourceLoader(src, batch_size=16, num_threads=2), device="cpu", depth=4) as pf:
         it = iter(pf)
         got = [keep(next(it)) for _ in range(3)]
-        time.sleep(0.1)  # the read of batch 5 is in flight (held for 0.5 s)
+        time.sleep(0.1)  # the read of that batch's second half is in flight on a reader thread
+        reading = [t for t in threading.enumerate() if t.name.startswith("gpufeed-read")]
         pid, r = _fork_and_wait_child(src.inner, disk.data)
+        assert time.monotonic() - t0 < 1.0 and reading  # forked while the held read was in flight
         got += [keep(b) for b in it]
         check_epoch(got, disk.data, plan_batches(disk.n, 16))
     text, code = _collect_child(pid, r)

@@ -22,7 +22,6 @@ from _rel import checked, note, plan_rows
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import staging
 from gpufeed import CudaPrefetcher, SourceLoader
 from gpufeed.sources import RawSource, plan_batches
 
@@ -287,9 +286,11 @@ def test_random_sources_many_prefetchers(kind, n, fields, jobs, data_seed, delay
 
             def make(bs=bs, shuffle=shuffle, drop_last=drop_last, depth=depth, seed=seed, share=share):
                 src = shared if share else opener()
+                # On CUDA a small pinned budget: the reads wait for buffers that copies still read.
+                budget = 64 << 10 if device.type == "cuda" else None
                 pf = CudaPrefetcher(SourceLoader(src, batch_size=bs, shuffle=shuffle, drop_last=drop_last,
-                                                 seed=seed),
-                                    device=device, depth=depth, **staging(device, chunk_bytes=4096))
+                                                 seed=seed, pinned_budget=budget),
+                                    device=device, depth=depth)
                 return TwoEpochs(pf)
 
             work.append((make, expected, total, delays))
@@ -298,28 +299,27 @@ def test_random_sources_many_prefetchers(kind, n, fields, jobs, data_seed, delay
     note("every byte equal to the plan's rows, two epochs, in order, exactly once; no consumer hung")
 
 
-# -- the staging path that feeds the GPU, driven on the CPU ---------------------------------------
+# -- the pooled read path that feeds the GPU, driven on the CPU -----------------------------------
 
-def staged_epoch(src, plan, budget, chunk, threads, stop):
-    """Read an epoch through source mode's staging path (private: ``_source_batch``): chunks through the
-    pinned pool (host memory here), reads on worker threads, each batch starting its successor's reads.
-    On the GPU machine this path runs for real; here it runs with ``stream=None``."""
-    from gpufeed._copier import Copier
-    from gpufeed._source_batch import EpochReads
-    from gpufeed.pinned_pool import PinnedPool
-    from gpufeed.stats import PrefetchStats
+def pooled_epoch(src, plan, budget, threads, stop):
+    """Read an epoch as a SourceLoader does for a CUDA device (private: ``loaders._reads.EpochReads``): each
+    batch whole into a buffer of the pinned pool (host memory here), reads on reader threads, each batch
+    starting the reads of those after it. Each batch's buffer goes back (its lease) once the consumer has
+    checked it. On the GPU machine this path runs for real, the lease called with the copy's event."""
+    from gpufeed.host_memory.cpu_buffers import CpuBuffers
+    from gpufeed.host_memory.pinned_pool import PinnedPool
+    from gpufeed.loaders._reads import EpochReads
 
-    pool = PinnedPool(budget, chunk, pin=False)
-    copier = Copier(torch.device("cpu"), None, pool, PrefetchStats(), None)
-    chain = EpochReads(src, plan, threads)
+    pool = PinnedPool(budget, pin=False)
+    reads = EpochReads(src, plan, threads, pool, CpuBuffers(slots=8), torch.device("cpu"), stop)
     try:
         for i in range(len(plan)):
-            batch = chain.get(i)
-            out = {k: torch.empty((len(batch.rows), *f.shape), dtype=f.dtype) for k, f in src.fields.items()}
-            batch._read_staged(copier, out, stop)
-            yield out
+            hb = reads.take(i)
+            yield hb.batch
+            if hb.lease is not None:
+                hb.lease(None)
     finally:
-        chain.cancel()
+        reads.cancel()
     assert sum(b.nbytes for b in pool._free) == pool.allocated  # every buffer came back
     assert pool.allocated <= max(pool.budget, max((b.nbytes for b in pool._free), default=0))
 
@@ -327,18 +327,19 @@ def staged_epoch(src, plan, budget, chunk, threads, stop):
 @pytest.mark.timeout(60)
 @settings(SETTINGS, max_examples=30)
 @given(n=st.integers(1, 300), fields=st.lists(field, min_size=1, max_size=3), seed=st.integers(0, 1000),
-       chunk=st.sampled_from([4096, 8192, 65536]), budget_chunks=st.integers(0, 6), threads=st.integers(1, 4),
+       grain=st.sampled_from([4096, 8192, 65536]), budget_grains=st.integers(0, 6), threads=st.integers(1, 4),
        bs=st.integers(1, 64), shuffle=st.sampled_from([False, True, "blocks"]))
-def test_staging_path_every_byte(n, fields, seed, chunk, budget_chunks, threads, bs, shuffle):
-    """The CUDA path's source staging (pinned pool, parallel reads, read-ahead of the next batch), with host
-    memory standing in for pinned and device memory: random fields, batches, and pool budgets from 4 KiB
-    (smaller than one chunk) to 6 chunks."""
+def test_pooled_read_path_every_byte(n, fields, seed, grain, budget_grains, threads, bs, shuffle):
+    """The CUDA path's source reads (pinned pool, parallel reads, read-ahead of the next batches), with host
+    memory standing in for pinned memory: random fields, batches, and pool budgets from 0 (pageable
+    reads) and 4 KiB (smaller than many a batch: one oversized buffer) to 320 KiB."""
     with tempfile.TemporaryDirectory() as tmp:
         opener, data = write_source(Path(tmp), "npy", n, fields, seed)
         src = opener()
         plan = plan_batches(n, bs, shuffle=shuffle, seed=seed)
         bad = nb = 0
-        epoch = staged_epoch(src, plan, max(4096, budget_chunks * chunk), chunk, threads, threading.Event())
+        budget = 0 if budget_grains == 0 else max(4096, (budget_grains - 1) * grain)
+        epoch = pooled_epoch(src, plan, budget, threads, threading.Event())
         for out, rows in zip(epoch, plan, strict=True):
             r = plan_rows(rows)
             for name, arr in data.items():

@@ -1,14 +1,16 @@
 """After a source-mode epoch, the source (and its open file descriptors) stays alive until the cyclic GC
 runs, even when the user closed the prefetcher and dropped every reference to the source.
 
-Cause: ``gpufeed._source_batch._Chain._made`` holds the epoch's last SourceBatch objects and each
-SourceBatch holds its ``chain``: a reference cycle, and every object in it references the source.
+Cause (in the code of the time, before the one-way pipeline): ``gpufeed._source_batch._Chain._made``
+held the epoch's last SourceBatch objects and each SourceBatch held its ``chain``: a reference cycle, and
+every object in it referenced the source. (Now ``gpufeed.loaders._reads.EpochReads`` holds only the
+batches read ahead, in ``_started``, which reference no EpochReads; ``cancel()`` clears them.)
 Since a prefetcher no longer closes the user's source (the fix for the shared-source finding), "close
 the prefetcher, drop the source" keeps one descriptor per file open until a GC pass; with sources
 of many files made per evaluation or per epoch, descriptors pile up towards the open-files limit.
 
-Fix: break the cycle when an epoch ends: ``EpochReads.cancel()`` (called in ``SourceLoader.batches``'s
-``finally``) also does ``self._made.clear()``; or SourceBatch keeps a ``weakref`` to its chain.
+Fix: break the cycle when an epoch ends: ``EpochReads.cancel()`` (called in ``SourceLoader._read``'s
+``finally``) also clears what it holds; or a batch keeps a ``weakref`` to its epoch.
 
 Exit status: 1 while the bug is present, 0 once fixed.
 """

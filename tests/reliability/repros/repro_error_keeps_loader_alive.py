@@ -4,9 +4,10 @@ stay alive too, and workers forked later inherit the dead iterator and print "Ex
 _MultiProcessingDataLoaderIter.__del__ ... AssertionError: can only test a child process" when they
 collect it.
 
-Cause: ``gpufeed._worker.Failure.reraise`` raises ``self.exc`` from a frame whose ``self`` references the
-Failure, which references the exception, whose traceback references that frame: a reference cycle.
-(``_produce``'s ``del it`` cannot free the iterator while the traceback holds its frames.)
+Cause: ``Failure.reraise`` (then ``gpufeed._worker``, now ``gpufeed._threads``) raised ``self.exc`` from a
+frame whose ``self`` references the Failure, which references the exception, whose traceback references
+that frame: a reference cycle. (The fetch thread's ``del it``, in the code of the time, could not free the
+iterator while the traceback held its frames.)
 
 Fix (as ``concurrent.futures.Future.result`` does):
 ``def reraise(self): exc, self.exc = self.exc, None; try: raise exc.with_traceback(exc.__traceback__)

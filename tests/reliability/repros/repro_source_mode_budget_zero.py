@@ -1,18 +1,16 @@
 """Source mode ignores ``pinned_budget=0``: it stages through a pinned buffer anyway, with no warning.
 
-``pinned_budget=0`` is documented as "disables pinned staging", and in loader mode it does (pageable
-copies, one RuntimeWarning: tests/test_cuda.py::test_pinned_budget_zero_falls_back_with_one_warning). In
-source mode ``SourceBatch._read_staged`` acquires buffers from the pool without asking
-``pool.available``, and ``PinnedPool.try_acquire`` serves a request when nothing is allocated ("a single
-request larger than the budget"), which with a budget of 0 is every request. So the pool pins memory
-(cudaHostAlloc: fails where pinning is not allowed) and says nothing.
+``pinned_budget=0`` is documented as "reads into pageable memory" (now an argument of ``SourceLoader``;
+before the one-way pipeline, of ``CudaPrefetcher``). In the code of the time, source mode acquired buffers
+from the pool without asking ``pool.available``, and ``PinnedPool.try_acquire`` served a request when
+nothing was allocated ("a single request larger than the budget"), which with a budget of 0 is every
+request. So the pool pinned memory (cudaHostAlloc: fails where pinning is not allowed) and said nothing.
 
-Fix: in ``SourceBatch.read``, when ``not copier._pinned_ok()``, read into pageable host tensors
-(``_read_direct`` into ``torch.empty(..., device="cpu")``) and copy those to the device; and let
-``PinnedPool.try_acquire`` never allocate when ``budget == 0``.
+Fix: when the pool is not ``available``, read into pageable host tensors and copy those to the device,
+with one warning; and let ``PinnedPool.try_acquire`` never allocate when ``budget == 0``.
 
 The CPU half shows the pool allocating with a budget of 0; the CUDA half (GPU machine) shows the
-prefetcher's pool holding pinned memory after a source-mode epoch with ``pinned_budget=0`` and no warning.
+SourceLoader's pool holding pinned memory after an epoch with ``pinned_budget=0``, or no warning.
 Exit status: 1 while the bug is present, 0 once fixed.
 """
 
@@ -25,13 +23,13 @@ import numpy as np
 import torch
 
 from gpufeed import CudaPrefetcher, SourceLoader
-from gpufeed.pinned_pool import PinnedPool
+from gpufeed.host_memory.pinned_pool import PinnedPool
 from gpufeed.sources import RawSource
 
 
 def main() -> int:
     bug = False
-    pool = PinnedPool(budget=0, chunk_bytes=4096, pin=False)
+    pool = PinnedPool(budget=0, pin=False)
     buf = pool.try_acquire(8192)
     if buf is not None:
         print(f"BUG (CPU half): PinnedPool(budget=0) allocated {pool.allocated} bytes "
@@ -42,11 +40,12 @@ def main() -> int:
         np.save(d / "x.npy", np.zeros((256, 4096), np.uint8))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with CudaPrefetcher(SourceLoader(RawSource(d / "x.npy"), batch_size=64), pinned_budget=0) as pf:
+            loader = SourceLoader(RawSource(d / "x.npy"), batch_size=64, pinned_budget=0)
+            with CudaPrefetcher(loader) as pf:
                 for _ in pf:
                     pass
-                pinned = pf._pool.allocated
-        said = [w for w in caught if "pinned staging is off" in str(w.message)]
+                pinned = loader._pool.allocated
+        said = [w for w in caught if "pinned_budget is 0" in str(w.message)]
         if pinned or len(said) != 1:
             print(f"BUG (CUDA half): source mode with pinned_budget=0 holds {pinned} pinned bytes and warned "
                   f"{len(said)} time(s) (expected 0 bytes and one warning)")
