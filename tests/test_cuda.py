@@ -80,7 +80,7 @@ def test_consumer_on_a_side_stream_is_fenced():
 def test_one_copy_stream_and_flat_memory_over_20_epochs():
     data = host_batches(8, "unpinned", seed=1, rows=(2048, 2049))
     pf = CudaPrefetcher(data, depth=3)
-    stream = pf._stream
+    stream = pf._stage.stream
     marks = []
     for _epoch in range(20):
         for b in pf:
@@ -91,7 +91,7 @@ def test_one_copy_stream_and_flat_memory_over_20_epochs():
         host = torch.cuda.host_memory_stats()  # the pinned staging memory (torch's caching host allocator)
         marks.append((torch.cuda.memory_allocated(), torch.cuda.memory_reserved(),
                       host["allocated_bytes.current"], host["num_host_alloc"]))
-        assert pf._stream is stream
+        assert pf._stage.stream is stream
     assert len(set(marks[2:])) == 1, marks  # flat after the first epochs: no pinned block made again
     pf.close()
 
@@ -203,7 +203,7 @@ def test_a_leaf_larger_than_a_chunk_is_staged_chunk_by_chunk_exactly(monkeypatch
     torch.cuda.synchronize()
     assert torch.equal(got[0].cpu(), x) and torch.equal(got[1].cpu(), x.neg())
     assert torch.equal(got[2]["small"].cpu(), x[:1000])
-    assert pinned == [32 << 20] * 4 + [4000]  # a leaf alone within one chunk is pinned whole
+    assert pinned == [32 << 20] * 4  # (the small leaf is packed into a pinned block, not pin_memory()-ed)
 
 
 def test_stats_time_the_copies():

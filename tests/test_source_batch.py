@@ -349,9 +349,6 @@ def test_a_failing_device_read_raises_at_its_batch_and_the_reads_ahead_end(monke
     wait_no_threads()
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="src bug: EpochReads.take(i) lets a successor's failed device start (out of device "
-                          "memory) escape, so batch i is lost and the error arrives at the wrong batch")
 def test_a_successor_that_cannot_start_fails_at_its_own_batch_and_no_read_keeps_a_delivered_batch(
         monkeypatch):
     src = DeviceSource(delay=0.0)

@@ -107,34 +107,27 @@ class DeviceStage:
         leaves, rebuild = flatten(hb.batch)
         device = self.device
         out: list[Any] = list(leaves)
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pinned: list[int] = []
         pageable: list[int] = []
         nbytes = 0
         for i, t in enumerate(leaves):
             if not isinstance(t, torch.Tensor):  # a batch type that moves itself: on the loop's stream, in
                 out[i] = _to(t, device)  # its order, as torch's pin-memory loop and `.to()` would
-                continue
-            if t.device == device:
-                continue  # already there (a source that reads to the device): not copied again
-            nbytes += t.nbytes
-            if t.is_cuda or t.is_pinned():
-                out[i] = torch.empty(t.shape, dtype=t.dtype, device=device)
-                copies.append((out[i], t))
-            else:
-                pageable.append(i)
-        jobs: list[Callable[[], None]] = []
-        if pageable:
-            staged, jobs = self.stager.prepare([leaves[i] for i in pageable], device)
-            for i, t in zip(pageable, staged, strict=True):
-                out[i] = t
-            host = [leaves[i] for i in pageable]
-            jobs = [functools.partial(self._staged, job, host, staged) for job in jobs]
-        consumer = self.streams.current()
-        fresh = [o for o, t in zip(out, leaves, strict=True) if o is not t and isinstance(o, torch.Tensor)]
-        self.stats.add(bytes=nbytes)
+            elif t.device != device:  # (a tensor already there, read by a source to the device, stays)
+                nbytes += t.nbytes
+                (pinned if t.is_cuda or t.is_pinned() else pageable).append(i)
+        self.stats.bytes += nbytes
         self._count += 1
+        consumer = self.streams.current()
         if self.costs.on_loop_stream(nbytes, self._count):
-            return self._on_loop_stream(hb, rebuild(out), copies, jobs, consumer, fresh)
+            return self._on_loop_stream(hb, leaves, rebuild, out, pinned, pageable, consumer)
+        copies = []
+        for i in pinned:
+            t = leaves[i]
+            out[i] = torch.empty(t.shape, dtype=t.dtype, device=device)
+            copies.append((out[i], t))
+        jobs = self._staging(leaves, out, pageable)
+        fresh = [o for o, t in zip(out, leaves, strict=True) if o is not t and isinstance(o, torch.Tensor)]
         start, end = self._issue(consumer, copies, jobs)
         batch = rebuild(out)
         if self.transform is not None:
@@ -147,24 +140,36 @@ class DeviceStage:
         self._collect_timing()
         return DeviceBatch(batch, end, hb.state, consumer, fresh)
 
-    def _on_loop_stream(self, hb: HostBatch, batch: Any, copies: list[tuple[torch.Tensor, torch.Tensor]],
-                        jobs: list[Callable[[], None]], consumer: Any,
-                        fresh: list[torch.Tensor]) -> DeviceBatch:
-        """Issue the copies (and the transform) on the loop's own stream, in its order: nothing to fence and
-        nothing to wait for at the hand-over (as ``.to(non_blocking=True)`` in the loop)."""
-        for dst, src in copies:
-            dst.copy_(src, non_blocking=True)
-        for job in jobs:
+    def _staging(self, leaves: list[Any], out: list[Any], pageable: list[int]) -> list[Callable[[], None]]:
+        """Allocate the device tensors of the pageable ``leaves`` (into ``out``); the jobs that stage them."""
+        if not pageable:
+            return []
+        host = [leaves[i] for i in pageable]
+        staged, jobs = self.stager.prepare(host, self.device)
+        for i, t in zip(pageable, staged, strict=True):
+            out[i] = t
+        return [functools.partial(self._staged, job, host, staged) for job in jobs]
+
+    def _on_loop_stream(self, hb: HostBatch, leaves: list[Any], rebuild: Any, out: list[Any],
+                        pinned: list[int], pageable: list[int], consumer: Any) -> DeviceBatch:
+        """Copy on the loop's own stream, in its order, as ``.to(non_blocking=True)`` in the loop: nothing to
+        fence, nothing to wait for at the hand-over."""
+        device = self.device
+        for i in pinned:
+            out[i] = leaves[i].to(device, non_blocking=True)
+        for job in self._staging(leaves, out, pageable):
             job()
+        batch = rebuild(out)
         if self.transform is not None:
             with _nvtx.range("gpufeed.transform"):
                 batch = self.transform(batch)
-            fresh = [t for t in flatten(batch)[0] if t.device == self.device]
+            out = flatten(batch)[0]
         if hb.lease is not None:  # the host memory goes back once the loop's stream has read it
             end = torch.cuda.Event()
             end.record(consumer)
             hb.lease(end)
         self.stats.loop_stream_batches += 1
+        fresh = [t for t in out if isinstance(t, torch.Tensor) and t.device == device]
         return DeviceBatch(batch, None, hb.state, consumer, fresh)
 
     def _issue(self, consumer: Any, copies: list[tuple[torch.Tensor, torch.Tensor]],

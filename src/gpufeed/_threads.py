@@ -75,11 +75,12 @@ def result(fut: Any, stop: threading.Event | None, swallow: bool = False) -> Any
 
 
 def run_now(job: Callable[[], Any]) -> Future:
-    """Run ``job`` on this thread; a done Future with its result or exception (as a worker's would be)."""
+    """Run ``job`` on this thread; a done Future with its result or error (as a worker's would be). Ctrl-C
+    is not an error of the job: it is raised now."""
     fut: Future = Future()
     try:
         fut.set_result(job())
-    except BaseException as exc:  # delivered through the future, as from a worker thread
+    except Exception as exc:  # delivered through the future, as from a worker thread
         fut.set_exception(exc)
     return fut
 

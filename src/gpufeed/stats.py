@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 #: A loop whose body takes at most this long a batch did no work to starve: its waits time the input alone.
 #: An empty body measures 1-10 us a batch on a 2-core CPU machine (the iteration, and the scheduler's noise
@@ -55,7 +54,6 @@ class PrefetchStats:
     #: The loop's GPU work was still running when it asked for a batch (sampled on each epoch's first
     #: batches, on CUDA).
     gpu_busy: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def stall_fraction(self) -> float:
@@ -94,19 +92,17 @@ class PrefetchStats:
 
     def add(self, *, bytes: int = 0, staged_bytes: int = 0, stage_s: float = 0.0, fetch_s: float = 0.0,
             copy_s: float = 0.0, timed_bytes: int = 0, slot_batches: int = 0) -> None:
-        """Add to the fetching side's counters (thread-safe: a stopped epoch's thread may still count beside
-        the next epoch's). Named arguments, not a dict of them: it runs a few times a batch."""
-        with self._lock:
-            self.bytes += bytes
-            self.staged_bytes += staged_bytes
-            self.stage_s += stage_s
-            self.fetch_s += fetch_s
-            self.copy_s += copy_s
-            self.timed_bytes += timed_bytes
-            self.slot_batches += slot_batches
+        """Add to the counters (all counted on the loop's thread). Named arguments, not a dict of them."""
+        self.bytes += bytes
+        self.staged_bytes += staged_bytes
+        self.stage_s += stage_s
+        self.fetch_s += fetch_s
+        self.copy_s += copy_s
+        self.timed_bytes += timed_bytes
+        self.slot_batches += slot_batches
 
     def as_dict(self) -> dict[str, float]:
-        d: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_lock"}
+        d: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)}
         d.update(stall_fraction=self.stall_fraction, h2d_GBps=self.h2d_GBps,
                  stage_GBps=self.stage_GBps, throughput_GBps=self.throughput_GBps)
         return d

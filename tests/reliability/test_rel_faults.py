@@ -337,10 +337,6 @@ def _interrupted_next(it, after, how):
         timer.join()
 
 
-@pytest.mark.xfail(strict=True, reason="src bug: a KeyboardInterrupt raised in a read run inline on the "
-                   "loop's thread for a batch read ahead (_threads.run_now) is caught into that batch's "
-                   "Future: next() returns, the Ctrl-C surfaces READS_AHEAD batches later, or never if the "
-                   "epoch stops first")
 @pytest.mark.parametrize("how", ["interrupt_main", "raise_signal"])
 def test_source_ctrl_c_during_next(disk, device, how):
     """SIGINT while the consumer waits in next(): KeyboardInterrupt, threads stop, next epoch works."""

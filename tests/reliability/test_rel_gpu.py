@@ -115,10 +115,6 @@ def test_gds_ctrl_c_during_next(gds, request):
     # The ninth next() hands out batch 8 and takes batch 8 + depth (2). Reading to the device ("gds"), that
     # batch's read runs on a reader thread, which the ninth next() waits for; reading to the host
     # ("compat"), it starts the read of the batch READS_AHEAD after it: a small read, on the loop's thread.
-    if src.reads_to == "host":
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="src bug: a KeyboardInterrupt raised in a read run inline for a batch read "
-                                "ahead (_threads.run_now) is caught into that batch's Future"))
     src.block_row = (8 + 2 + (READS_AHEAD if src.reads_to == "host" else 0)) * 16
     with CudaPrefetcher(SourceLoader(src, batch_size=16), depth=2) as pf:
         it = iter(pf)

@@ -61,15 +61,23 @@ class EpochReads:
         return self._executor
 
     def take(self, i: int) -> HostBatch:
-        """Batch ``i``, read (its lease returns its buffer), with the reads of those after it started."""
+        """Batch ``i``, read (its lease returns its buffer), with the reads of those after it started. A read
+        ahead that cannot start is started again in its own turn, and fails there."""
         batch = self._started.pop(i, None) or self._start(i, block=True)
-        ahead = self.threads - 1 if self.to_device else READS_AHEAD
-        for j in range(i + 1, min(i + 1 + ahead, len(self.plan))):
-            if j not in self._started:
-                started = self._start(j, block=False)
-                if started is None:
-                    break
-                self._started[j] = started
+        try:
+            ahead = self.threads - 1 if self.to_device else READS_AHEAD
+            for j in range(i + 1, min(i + 1 + ahead, len(self.plan))):
+                if j not in self._started:
+                    try:
+                        started = self._start(j, block=False)
+                    except Exception:  # (out of device memory ...) raised again by batch j's own start
+                        break
+                    if started is None:
+                        break
+                    self._started[j] = started
+        except BaseException:  # Ctrl-C in a read ahead run on this thread: this batch ends too
+            batch.cancel()
+            raise
         return batch.finish(self.stop)
 
     def _start(self, i: int, block: bool) -> _Batch | None:
@@ -88,7 +96,11 @@ class EpochReads:
                 buf = None
             if buf is not None:
                 out = _views(buf, self.fields, offsets, n)
-                return _Batch(self._submit_pieces(rows, out), out, self.pool, buf)
+                try:
+                    return _Batch(self._submit_pieces(rows, out), out, self.pool, buf)
+                except BaseException:  # (Ctrl-C in a read run on this thread) the buffer goes back
+                    self.pool.release(buf, None)
+                    raise
             if not block:
                 return None
         out = {k: torch.empty((n, *f.shape), dtype=f.dtype) for k, f in self.fields.items()}  # pageable
