@@ -17,7 +17,9 @@ from gpufeed._extras import require
 
 from ._files import PathLike, as_paths, check_file, pread_exact
 from ._gpu_inflate import decode_stream, inflate_rows, use_gpu
+from ._h5open import open_h5
 from ._host_source import HostFileSource
+from ._identity import FileChangedError, Identity
 from ._layout import Extent, Layout, merge_extents
 from ._out_tensors import check_outs, host_bytes
 from ._per_process import _PerProcess
@@ -130,6 +132,7 @@ class H5Source(HostFileSource):
             raise ValueError(f"H5Source: decode must be 'auto', 'gpu' or 'cpu', got {decode!r}")
         self._paths = as_paths(paths, "H5Source")
         self._sizes = [check_file(p, "H5Source") for p in self._paths]  # h5py reads past a cut as zeros
+        idents = [Identity.of_path(p) for p in self._paths]  # before the layouts are read from the files
         names: dict[str, str] = {}
         found: list[dict[str, _Found]] = []
         for i, path in enumerate(self._paths):
@@ -149,7 +152,8 @@ class H5Source(HostFileSource):
         if mmap_gather is True and not any(lay.by_offset for lay in self._layouts.values()):
             raise ValueError("H5Source: mmap_gather=True applies to fields read by byte offset, and no field "
                              "here is (describe() says how each is read); leave mmap_gather at None")
-        self._open_files("H5Source", self._paths, mmap_gather, num_threads)
+        self._open_files("H5Source", self._paths, mmap_gather, num_threads, idents)
+        self._check_all = not all(lay.by_offset for lay in self._layouts.values())  # h5py reads its own
         self._h5 = _H5Files(self._paths)
         self._tables = {(i, ff[n].extents[0].dataset): ff[n].table
                         for i, ff in enumerate(found) for n in names if ff[n].table is not None}
@@ -203,9 +207,11 @@ class H5Source(HostFileSource):
         Raises:
             IndexError: a row is outside ``[0, len(self))``.
             ValueError: an ``out`` tensor is missing, too small, of the wrong dtype/shape or device.
+            FileChangedError: (an OSError) a file changed after the source was made (names it); also
+                when a read failed or a chunk did not decode because of the change.
             OSError: a file ended early or a read failed; the message names the file.
-            CorruptChunkError: (an OSError) a gzip chunk does not decode; the message names the file, the
-                dataset and the chunk.
+            CorruptChunkError: (an OSError) a gzip chunk does not decode in a file that did not change;
+                the message names the file, the dataset and the chunk.
         """
         if not self._gpu or not any(isinstance(t, torch.Tensor) and t.is_cuda for t in out.values()):
             super().read(rows, out)
@@ -214,6 +220,9 @@ class H5Source(HostFileSource):
         bufs = check_outs(self._fields, out, runs.n, "cuda", self._where)
         if runs.n == 0:
             return
+        self._checked_read(lambda: self._read_device(runs, bufs))
+
+    def _read_device(self, runs: Runs, bufs: Mapping[str, torch.Tensor]) -> None:
         pending = []
         with decode_stream(next(iter(bufs.values())).device) as stream:
             for name, layout in self._layouts.items():
@@ -332,7 +341,7 @@ class _H5Files(_PerProcess):
 
     def _open(self, path: str) -> tuple[Any, dict[str, Any]]:
         h5py = require("h5py", "H5Source")
-        return h5py.File(path, "r", rdcc_nbytes=_CHUNK_CACHE_BYTES), {}
+        return open_h5(h5py, path, rdcc_nbytes=_CHUNK_CACHE_BYTES), {}
 
     def _close(self, handle: tuple[Any, dict[str, Any]]) -> None:
         handle[1].clear()
@@ -342,13 +351,14 @@ class _H5Files(_PerProcess):
         f, cache = self.get(i)
         dset = cache.get(name)
         if dset is None:
-            dset = cache[name] = f[name]
+            dset = cache[name] = f.file[name]
         return dset
 
 
 def _open(h5py: Any, path: str) -> Any:
+    """The file as it is now (see ``_h5open``), as a context manager that yields the ``h5py.File``."""
     try:
-        return h5py.File(path, "r")
+        return open_h5(h5py, path)
     except OSError as exc:
         raise ValueError(f"H5Source: cannot open {path} as HDF5 ({exc}); is it an HDF5 file?") from exc
 
