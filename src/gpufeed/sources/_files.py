@@ -128,3 +128,11 @@ def short_read_message(path: str, offset: int, want: int, got: int) -> str:
         f"short read from {path}: expected {want} bytes at offset {offset}, got {got}; the file is "
         "shorter than when the source was opened (truncated or rewritten?): recreate the source"
     )
+
+
+def io_error(exc: OSError, what: str, path: str) -> OSError:
+    """``exc`` again (same type and errno), its message saying ``what`` failed on ``path``: the OS's own
+    (``[Errno 28] No space left on device``) names no file."""
+    if exc.errno is None:
+        return type(exc)(f"{exc}: {what}")
+    return type(exc)(exc.errno, f"{exc.strerror}: {what}", path)
