@@ -440,10 +440,9 @@ def _npy_cases(path: Path) -> dict[str, bytes]:
     raw = path.read_bytes()
     hlen = int.from_bytes(raw[8:10], "little")
     header = raw[10 : 10 + hlen]
-    quote = header.index(b"'")
+    assert header.startswith(b"{")
     return {
-        "a damaged header byte": raw[:10] + header[:quote] + b"\x00" + header[quote + 1 :] + raw[10 + hlen :],
-        "header length +16": raw[:8] + (hlen + 16).to_bytes(2, "little") + raw[10:],
+        "a damaged header byte": raw[:10] + b"\x00" + raw[11:],  # numpy: tokenize.TokenError, naming no file
         "header length -16": raw[:8] + (hlen - 16).to_bytes(2, "little") + raw[10:],
         "descr <f4 -> <f8": raw.replace(b"'<f4'", b"'<f8'", 1),
         "descr <f4 -> <f2": raw.replace(b"'<f4'", b"'<f2'", 1),
@@ -452,7 +451,7 @@ def _npy_cases(path: Path) -> dict[str, bytes]:
     }
 
 
-@pytest.mark.parametrize("case", ["a damaged header byte", "header length +16", "header length -16",
+@pytest.mark.parametrize("case", ["a damaged header byte", "header length -16",
                                   "descr <f4 -> <f8", "descr <f4 -> <f2", "shape (40, 6) -> (40, 3)",
                                   "shape (40, 6) -> (80, 6)"])
 def test_a_damaged_npy_header_is_a_value_error_naming_the_file(tmp_path, case):
