@@ -59,15 +59,17 @@ class FileSource:
     def _checked_read(self, read: Any) -> None:
         """``read()``, between two checks of the open files: a file that changed before or while it was
         read raises FileChangedError, also when the read itself failed because of the change."""
-        self._fds.check_open(open_all=self._check_all)
+        # Reads through other handles (h5py's, memory maps) do not open the descriptors: check every file.
+        every = self._check_all or self._maps is not None
+        self._fds.check_open(open_all=every)
         try:
             read()
         except Exception:
-            self._fds.check_open()  # a read that failed on a changed file says so (its error as context)
+            self._fds.check_open(open_all=True)  # a read that failed on a changed file says so
             raise
         self._fds.check_open()
 
-    #: Open every file before each read to check it (sources whose reads go through another handle).
+    #: Open every file before each read to check it (sources whose reads go through h5py's handles).
     _check_all = False
 
     def close(self) -> None:
