@@ -564,7 +564,8 @@ def test_convert_writes_raw_files_then_is_cached(mixed_h5, tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     head = f"{mixed_h5} -> {out / 'manifest.json'}: 2 field(s), 3.3 KiB, converted in "
     assert lines[0].startswith(head) and re.fullmatch(r"\d+\.\ds", lines[0][len(head):]), lines[0]
-    assert [ln for ln in lines if re.fullmatch(r"  x: 100 samples of \(8,\) <f4 -> x\.gen-[0-9a-f]{12}\.bin", ln)]
+    x_line = r"  x: 100 samples of \(8,\) <f4 -> x\.gen-[0-9a-f]{12}\.bin"
+    assert [ln for ln in lines if re.fullmatch(x_line, ln)]
     assert lines[-1] == f"read it with RawSource({str(out / 'manifest.json')!r}) or GDSSource(" \
                         f"{str(out / 'manifest.json')!r})"
     assert main(["convert", str(mixed_h5), str(out), "--fields", "x", "grp/z"]) == 0

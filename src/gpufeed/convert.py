@@ -137,11 +137,13 @@ class _Job:
                 f"convert_h5_to_raw: {self.src}: fields have different sample counts {counts}; every field "
                 "needs one row per sample: pass fields= with datasets of equal length"
             )
-        meta, not_kept = from_h5(h5py, f, [d for d in datasets(h5py, f) if d not in _stripped(names)])
+        meta, _ = from_h5(h5py, f, [d for d in datasets(h5py, f) if d not in _stripped(names)])
         doc = {
-            "format": _manifest.FORMAT, "version": _manifest.VERSION, "num_samples": next(iter(counts.values())),
+            "format": _manifest.FORMAT, "version": _manifest.VERSION,
+            "num_samples": next(iter(counts.values())),
             "align": self.align, "source": self.source_info, "datasets": dict(names), "metadata": meta,
-            "skipped": {k: v if k not in meta["datasets"] else f"{v}; kept in metadata" for k, v in skipped.items()},
+            "skipped": {k: f"{v}; kept in metadata" if k in meta["datasets"] else v
+                        for k, v in skipped.items()},
         }
         if skipped:
             _warn_skipped(self.src, skipped, meta["datasets"])
@@ -151,7 +153,7 @@ class _Job:
             doc["fields"] = self._write(f, names, files)
             self._check_source()
             folder.switch(self.out, doc, generation)
-        except BaseException:  # (interrupted too) the new files go, unless the new manifest already names them
+        except BaseException:  # (interrupted too) the new files go, unless the manifest already names them
             if not set(files.values()) <= (folder.named_files(self.out) or set()):
                 for file in files.values():
                     (self.out / file).unlink(missing_ok=True)
@@ -172,7 +174,8 @@ class _Job:
         """A source changed while it was read gave rows of two versions: nothing of it is kept."""
         check(str(self.src), self.ident, Identity.of_path(str(self.src)), "convert_h5_to_raw")
 
-    def _convert_one(self, dset: Any, file: str, done: Callable[[int], None], interrupts: Any) -> dict[str, Any]:
+    def _convert_one(self, dset: Any, file: str, done: Callable[[int], None], interrupts: Any
+                     ) -> dict[str, Any]:
         """Write ``dset``'s samples to ``file`` in the folder and return its manifest entry."""
         dtype = dset.dtype.newbyteorder("=") if dset.dtype.itemsize > 1 else dset.dtype
         rows = int(dset.shape[0])

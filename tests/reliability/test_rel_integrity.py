@@ -33,7 +33,8 @@ from gpufeed.sources import H5Source  # noqa: E402
 from gpufeed.sources.h5_chunks import CorruptChunkError  # noqa: E402
 
 N = 64
-LAYOUTS = {"contiguous": {}, "chunked": {"chunks": (8, 16)}, "gzip": {"chunks": (8, 16), "compression": "gzip"},
+LAYOUTS = {"contiguous": {}, "chunked": {"chunks": (8, 16)},
+           "gzip": {"chunks": (8, 16), "compression": "gzip"},
            "lzf": {"chunks": (8, 16), "compression": "lzf"}}  # lzf: gpufeed does not decode it (h5py path)
 
 
@@ -89,7 +90,8 @@ def test_a_file_rewritten_in_place_same_size_and_inode_raises_file_changed(tmp_p
     with pytest.raises(FileChangedError, match=rf"{re.escape(str(path))} changed after the source was made: "
                        r"its mtime changed .*recreate the source"):
         src.check_unchanged()
-    with pytest.raises(FileChangedError, match=rf"{re.escape(str(path))} changed.*recreate the source") as info:
+    with pytest.raises(FileChangedError, match=rf"{re.escape(str(path))} changed.*recreate the source"
+                       ) as info:
         read_all(src)
     assert info.value.filename == str(path)
     assert np.array_equal(read_all(H5Source(path, fields=["x"]))["x"], new["x"])  # a new source: new data
@@ -127,7 +129,8 @@ def test_a_raw_file_replaced_or_rewritten_raises_file_changed(tmp_path):
     src_a, src_b = RawSource(a), RawSource(b)
     np.save(tmp_path / "other.npy", data(1)["x"])
     os.replace(tmp_path / "other.npy", a)
-    with pytest.raises(FileChangedError, match=rf"{re.escape(str(a))} changed .*another file now has its name"):
+    with pytest.raises(FileChangedError,
+                       match=rf"{re.escape(str(a))} changed .*another file now has its name"):
         read_all(src_a)
     read_all(src_b)
     time.sleep(0.05)
@@ -338,7 +341,8 @@ def test_a_data_file_write_that_fails_names_the_file_and_the_folder(tmp_path, mo
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", full)
-    with pytest.raises(OSError, match=rf"No space left on device: writing {re.escape(str(out))}/x\.gen-\w+\.bin "
+    with pytest.raises(OSError, match=rf"No space left on device: writing {re.escape(str(out))}/x\.gen-\w+\."
+                       rf"bin "
                        rf"\(converting .*a\.h5 into {re.escape(str(out))}\); free space") as info:
         convert_h5_to_raw(tmp_path / "a.h5", out)
     assert info.value.errno == 28 and not out.exists()  # a folder this call made is removed
@@ -406,7 +410,8 @@ def test_an_edited_manifest_is_refused(converted, edit):
     """Issue 35.6: every edit of a manifest is refused with a ValueError naming it and the fix (its
     checksum), also those that keep every size consistent."""
     _edit(converted, **EDITS[edit])
-    with pytest.raises(ValueError, match=rf"{re.escape(str(converted))} was edited after gpufeed convert wrote "
+    with pytest.raises(ValueError, match=rf"{re.escape(str(converted))} was edited after gpufeed convert "
+                       r"wrote "
                        r"it.*re-run gpufeed convert"):
         RawSource(converted)
 
@@ -559,7 +564,8 @@ def test_a_reconversion_removes_the_files_of_fields_it_no_longer_writes(tmp_path
     convert_h5_to_raw(tmp_path / "a.h5", out, fields=["x", "y"])
     convert_h5_to_raw(tmp_path / "a.h5", out, fields=["x"])
     doc = json.loads((out / "manifest.json").read_text())
-    assert sorted(os.listdir(out)) == sorted([".gpufeed-convert.lock", "manifest.json", doc["fields"]["x"]["file"]])
+    want = [".gpufeed-convert.lock", "manifest.json", doc["fields"]["x"]["file"]]
+    assert sorted(os.listdir(out)) == sorted(want)
 
 
 def test_the_cli_refuses_a_foreign_folder_and_force_writes_beside(tmp_path, capsys):
@@ -613,7 +619,8 @@ def test_a_realistic_file_converts_by_default_and_keeps_its_metadata(tmp_path):
         h5 = H5Source(path)
     assert list(h5.fields) == ["images", "labels"] and sorted(h5.skipped) == ["class_names", "mean", "std"]
     for meta in (raw.metadata, h5.metadata):
-        assert np.array_equal(meta["datasets"]["mean"], d["mean"]) and meta["datasets"]["mean"].dtype == np.float32
+        mean = meta["datasets"]["mean"]
+        assert np.array_equal(mean, d["mean"]) and mean.dtype == np.float32
         assert np.array_equal(meta["datasets"]["std"], d["std"])
         assert meta["datasets"]["class_names"].tolist() == [f"class{i}" for i in range(10)]
         assert meta["attrs"]["/"]["description"] == "a CIFAR-like file"

@@ -156,8 +156,8 @@ def test_unsupported_datasets_are_skipped_and_named_and_a_named_one_raises_writi
     with h5py.File(tmp_path / "in.h5", "w") as f:
         f["x"] = np.arange(10, dtype=np.float32).reshape(5, 2)
         f["s"] = np.array(["a", "b", "c", "d", "e"], dtype=h5py.string_dtype())
-    with pytest.warns(RuntimeWarning, match=r"skipped \['s'\], not converted as fields: 's': .*strings.*kept in "
-                      r"the manifest's metadata: \['s'\]"):
+    with pytest.warns(RuntimeWarning, match=r"skipped \['s'\], not converted as fields: 's': .*strings.*kept "
+                      r"in the manifest's metadata: \['s'\]"):
         manifest = convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")
     doc = json.loads(manifest.read_text())
     assert list(doc["fields"]) == ["x"] and list(doc["skipped"]) == ["s"]

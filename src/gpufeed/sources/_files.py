@@ -53,7 +53,8 @@ class FileDescriptors(_PerProcess):
     idents: dict[str, Identity] | None = None  # (a source pickled before identities existed checks none)
     where = ""
 
-    def __init__(self, paths: Sequence[str], idents: Sequence[Identity] | None = None, where: str = "") -> None:
+    def __init__(self, paths: Sequence[str], idents: Sequence[Identity] | None = None,
+                 where: str = "") -> None:
         super().__init__(paths)
         self.idents = None if idents is None else dict(zip(paths, idents, strict=True))
         self.where = where

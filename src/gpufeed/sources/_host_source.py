@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import get_worker_info
 
 from ._files import FileDescriptors, source_label
-from ._identity import Identity
 from ._gather import FileMaps, NotGathered, file_maps, gather_rows
+from ._identity import Identity
 from ._layout import Layout
 from ._out_tensors import check_outs, rows_bytes
 from ._pread import PendingReads, backend, pread_many, submit

@@ -22,8 +22,8 @@ from ._h5open import open_h5
 from ._host_source import HostFileSource
 from ._identity import Identity
 from ._interrupt import Watch, watching
-from ._metadata import decode, from_h5
 from ._layout import Extent, Layout, merge_extents
+from ._metadata import decode, from_h5
 from ._out_tensors import check_outs, host_bytes
 from ._per_process import _PerProcess
 from ._runs import Runs, check_rows
