@@ -615,17 +615,18 @@ def test_inspect_manifest_valid_then_broken(mixed_h5, tmp_path, capsys):
     capsys.readouterr()
     assert main(["inspect", str(raw)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == f"{raw / 'manifest.json'}: gpufeed manifest (gpufeed.raw v1), 2 field(s)"
+    assert lines[0] == f"{raw / 'manifest.json'}: gpufeed manifest (gpufeed.raw v2), 2 field(s)"
+    x_bin = json.loads((raw / "manifest.json").read_text())["fields"]["x"]["file"]  # x.gen-<id>.bin
     assert re.split(r"\s{2,}", lines[1]) == ["field", "samples", "shape", "dtype", "file", "bytes", "on disk"]
-    assert re.split(r"\s+", lines[2]) == ["x", "100", "(8,)", "<f4", "x.bin", "3200", "3200"]
+    assert re.split(r"\s+", lines[2]) == ["x", "100", "(8,)", "<f4", x_bin, "3200", "3200"]
     assert lines[-2] == ("valid: yes: every data file exists and has the size and sample count the manifest "
                          "records")
     assert lines[-1] == "read path: byte-offset pread (raw samples), by RawSource or GDSSource"
-    os.truncate(raw / "x.bin", 100)
+    os.truncate(raw / x_bin, 100)
     assert main(["inspect", str(raw / "manifest.json")]) == 1
     out = capsys.readouterr().out
-    assert re.split(r"\s+", out.splitlines()[2]) == ["x", "100", "(8,)", "<f4", "x.bin", "3200", "100"]
-    assert re.search(r"^valid: no: .*data file .*x\.bin of field 'x' is 100 bytes", out, re.M), out
+    assert re.split(r"\s+", out.splitlines()[2]) == ["x", "100", "(8,)", "<f4", x_bin, "3200", "100"]
+    assert re.search(rf"^valid: no: .*data file .*{x_bin} of field 'x' is 100 bytes", out, re.M), out
     assert out.splitlines()[-1] == "read path: unusable until fixed"
 
 
@@ -659,7 +660,8 @@ def test_convert_writes_raw_files_then_is_cached(mixed_h5, tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     head = f"{mixed_h5} -> {out / 'manifest.json'}: 2 field(s), 3.3 KiB, converted in "
     assert lines[0].startswith(head) and re.fullmatch(r"\d+\.\ds", lines[0][len(head):]), lines[0]
-    assert "  x: 100 samples of (8,) <f4 -> x.bin" in lines
+    x_line = r"  x: 100 samples of \(8,\) <f4 -> x\.gen-[0-9a-f]{12}\.bin"
+    assert [ln for ln in lines if re.fullmatch(x_line, ln)]
     assert lines[-1] == f"read it with RawSource({str(out / 'manifest.json')!r}) or GDSSource(" \
                         f"{str(out / 'manifest.json')!r})"
     assert main(["convert", str(mixed_h5), str(out), "--fields", "x", "grp/z"]) == 0
@@ -738,7 +740,8 @@ def test_convert_lists_skipped_datasets_and_its_errors_name_the_flag(tmp_path, c
         f["s"] = np.array(["a"] * 5, dtype=h5py.string_dtype())
     assert main(["convert", str(tmp_path / "in.h5"), str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
-    assert "  x: 5 samples of (2,) <f4 -> x.bin" in out and "  s: skipped (" in out
+    assert re.search(r"^  x: 5 samples of \(2,\) <f4 -> x\.gen-[0-9a-f]{12}\.bin$", out, re.M)
+    assert "  s: skipped (" in out and "  kept as metadata (source.metadata): s" in out
     assert "H5Source" not in out and "convert_h5_to_raw" not in out  # the CLI's words, not Python names
     assert main(["convert", str(tmp_path / "in.h5"), str(tmp_path / "bad"), "--fields", "x", "nope"]) == 1
     err = capsys.readouterr().err

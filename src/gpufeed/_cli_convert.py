@@ -30,8 +30,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         with warnings.catch_warnings():  # skipped datasets are listed below, not as a Python warning
             warnings.simplefilter("ignore", RuntimeWarning)
-            path = Path(convert_h5_to_raw(args.h5, args.outdir, fields=args.fields))
-    except ValueError as exc:
+            path = Path(convert_h5_to_raw(args.h5, args.outdir, fields=args.fields,
+                                          force=getattr(args, "force", False)))
+    except (ValueError, OSError) as exc:
         raise CLIError(_for_cli(str(exc))) from None
     seconds = time.perf_counter() - t0
     fresh = before is None or path.stat().st_mtime_ns != before
@@ -46,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
         say(f"  {name}: {samples} samples of {shape} {dtype} -> {file}")
     for name, why in doc.get("skipped", {}).items():
         say(f"  {name}: skipped ({_for_cli(why)})")
+    meta = doc.get("metadata") or {}
+    if meta.get("attrs") or meta.get("datasets"):
+        kept = [*meta.get("datasets", {}), *(f"attributes of {obj}" for obj in meta.get("attrs", {}))]
+        say(f"  kept as metadata (source.metadata): {', '.join(kept)}")
     say(f"read it with RawSource({str(path)!r}) or GDSSource({str(path)!r})")
     return 0
 
@@ -54,4 +59,4 @@ def _for_cli(message: str) -> str:
     """The library's message in the CLI's words: no Python function names, the flag for the keyword."""
     for prefix in ("convert_h5_to_raw: ", "H5Source: "):
         message = message.replace(prefix, "")
-    return message.replace("fields=", "--fields")
+    return message.replace("fields=", "--fields").replace("force=True (--force)", "--force")

@@ -76,7 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("h5", help="the HDF5 file")
     convert.add_argument("outdir", help="the folder to write the raw files and manifest.json into")
     convert.add_argument("--fields", nargs="+", default=None, metavar="DATASET",
-                         help="datasets to convert (default: every dataset)")
+                         help="datasets to convert (default: the largest group of datasets with one sample "
+                              "count; the others are listed, small ones kept as metadata)")
+    convert.add_argument("--force", action="store_true",
+                         help="write into a folder that holds files gpufeed convert did not write")
     convert.set_defaults(module="_cli_convert")
     return parser
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import json
 import os
 import threading
 import time
@@ -113,7 +114,8 @@ class OnDisk:
 
         self._h5(self.root / "in.h5", {})
         manifest = convert_h5_to_raw(self.root / "in.h5", self.root / "raw", align=1)
-        self.early_file = self.late_file = manifest.parent / "x.bin"
+        x_file = json.loads(manifest.read_text())["fields"]["x"]["file"]  # x.gen-<id>.bin
+        self.early_file = self.late_file = manifest.parent / x_file
         self._open = lambda **kw: RawSource(manifest, **kw)
 
     def _write_h5_contiguous(self) -> None:

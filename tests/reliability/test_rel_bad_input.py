@@ -17,12 +17,13 @@ import pytest
 import torch
 from _rel import note
 
-from gpufeed.sources import RawSource
+from gpufeed.sources import FileChangedError, RawSource
 
 h5py = pytest.importorskip("h5py")
 
 from gpufeed.convert import convert_h5_to_raw  # noqa: E402
 from gpufeed.sources import H5Source  # noqa: E402
+from gpufeed.sources._manifest import checksum  # noqa: E402
 
 X = np.arange(40 * 6, dtype=np.float32).reshape(40, 6)
 Y = np.arange(40, dtype=np.int64)
@@ -53,10 +54,15 @@ def write(kind: str, root: Path, x=X, y=Y, name: str = "d") -> tuple[Path, calla
     if kind == "manifest":
         _h5(root / f"{name}src.h5", {}, x, y)
         m = convert_h5_to_raw(root / f"{name}src.h5", root / f"{name}raw", align=1)
-        return m.parent / "x.bin", lambda: RawSource(m)
+        return _data_file(m, "x"), lambda: RawSource(m)
     path = root / f"{name}.h5"
     _h5(path, H5_LAYOUTS[kind], x, y)
     return path, lambda: H5Source(path, fields=["x", "y"])
+
+
+def _data_file(manifest: Path, field: str) -> Path:
+    """The data file the manifest names for ``field`` (``x.gen-<id>.bin``)."""
+    return manifest.parent / json.loads(manifest.read_text())["fields"][field]["file"]
 
 
 def _h5(path: Path, kw: dict, x, y) -> None:
@@ -128,13 +134,15 @@ def test_truncated_before_open(kind, tmp_path):
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("kind", KINDS)
 def test_truncated_after_open(kind, tmp_path):
-    """A file is truncated after the source was made: the read raises OSError."""
+    """A file is truncated after the source was made: the read raises FileChangedError (an OSError)."""
     victim, opener = write(kind, tmp_path)
     src = opener()
     _read(src, range(2))
-    os.truncate(victim, os.path.getsize(victim) // 3)
-    expect(lambda: _read(src, range(40)), OSError, "short read from " + re.escape(str(victim)),
-           r"truncated or rewritten\?\): recreate the source")
+    size = os.path.getsize(victim)
+    os.truncate(victim, size // 3)
+    expect(lambda: _read(src, range(40)), FileChangedError,
+           re.escape(str(victim)) + f" changed after the source was made: its size went from {size} to "
+           f"{size // 3} bytes", r"truncated or rewritten\).*recreate the source")
     src.close()
 
 
@@ -191,6 +199,9 @@ def test_wrong_shape(kind, tmp_path):
         doc = json.loads(m.read_text())
         doc["fields"]["x"]["shape"] = [7]
         m.write_text(json.dumps(doc))
+        expect(opener, ValueError, re.escape(str(m)), r"was edited after gpufeed convert wrote it.*re-run "
+               "gpufeed convert")
+        _edit_field(m, "x", shape=[7])  # the same edit with a valid checksum: the size check
         expect(opener, ValueError, re.escape(str(victim)), r"40 samples of 28 bytes.*re-run gpufeed convert")
     else:
         write(kind, tmp_path, name="a")
@@ -230,17 +241,19 @@ def _append(path, data):
 
 
 MANIFEST_EDITS = {
-    "data file resized": (lambda m: _append(m.parent / "x.bin", b"12345"), r"x\.bin",
+    "data file resized": (lambda m: _append(_data_file(m, "x"), b"12345"), r"x\.gen-\w+\.bin",
                           r"is 965 bytes, the manifest says 960.*re-run gpufeed convert"),
     "bad JSON": (lambda m: m.write_text("{oops"), r"manifest\.json",
                  r"not a valid gpufeed manifest.*re-run"),
     "other version": (lambda m: _edit(m, version=99), r"manifest\.json",
                       r"version 99.*re-run gpufeed convert"),
-    "counts edited": (lambda m: _edit_field(m, "y", num_samples=39), r"x\.bin.*y\.bin",
-                      r"different sample counts.*one row per sample"),
+    "counts edited": (lambda m: _edit_field(m, "y", num_samples=39), r"manifest\.json: field 'y'",
+                      r"has 39 samples, the manifest 40.*re-run gpufeed convert"),
+    "edited, checksum left": (lambda m: _edit_field(m, "x", dtype="<i4", rechecksum=False), r"manifest\.json",
+                              r"was edited after gpufeed convert wrote it.*re-run gpufeed convert"),
     "path outside": (lambda m: _edit_field(m, "x", file="../x.bin"), r"manifest\.json",
                      r"must be a plain name beside the manifest.*re-run gpufeed convert"),
-    "object dtype": (lambda m: _edit_field(m, "y", dtype="|O"), r"y\.bin",
+    "object dtype": (lambda m: _edit_field(m, "y", dtype="|O"), r"y\.gen-\w+\.bin",
                      r"holds Python objects.*store numbers"),
 }
 
@@ -251,9 +264,13 @@ def _edit(m, **kw):
     m.write_text(json.dumps(doc))
 
 
-def _edit_field(m, name, **kw):
+def _edit_field(m, name, rechecksum=True, **kw):
+    """Edit a field of a manifest; ``rechecksum``: as a faulty writer would, with a matching checksum, so
+    that the checks of its contents against the files are what is tested."""
     doc = json.loads(m.read_text())
     doc["fields"][name].update(kw)
+    if rechecksum:
+        doc["checksum"] = checksum(doc)
     m.write_text(json.dumps(doc))
 
 
@@ -335,7 +352,7 @@ def test_fields_with_different_sample_counts(kind, tmp_path):
     if kind == "manifest":
         victim, opener = write(kind, tmp_path)
         _edit_field(victim.parent / "manifest.json", "y", num_samples=39)
-        expect(opener, ValueError, r"x\.bin.*y\.bin", "different sample counts.*one row per sample")
+        expect(opener, ValueError, r"manifest\.json: field 'y'", "has 39 samples, the manifest 40")
         return
     _, opener = write(kind, tmp_path, y=Y[:39])
     names = r"\.h5: fields" if kind.startswith("h5") else r"'x': 40 \(.*'y': 39 \(.*y\."

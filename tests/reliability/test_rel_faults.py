@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 
 from conftest import wait_no_threads
 from gpufeed import CudaPrefetcher, SourceLoader
-from gpufeed.sources import _gather, _pread, plan_batches
+from gpufeed.sources import FileChangedError, _gather, _pread, plan_batches
 
 BS = 16  # 240 rows: 15 batches an epoch
 
@@ -108,7 +108,8 @@ def test_source_low_level_eio(disk, device):
 
 @pytest.mark.timeout(30)
 def test_source_file_truncated_mid_epoch(disk, device):
-    """A file is truncated while an epoch is read: OSError, after exact batches, naming the file."""
+    """A file is truncated while an epoch is read: FileChangedError (an OSError), after exact batches,
+    naming the file."""
     src = disk.open()
     got = []
     with CudaPrefetcher(SourceLoader(src, batch_size=BS), device=device, depth=2) as pf:
@@ -121,17 +122,14 @@ def test_source_file_truncated_mid_epoch(disk, device):
         check_epoch(got, disk.data, plan(), complete=False)
         assert len(got) < 15
         msg = str(info.value)
-        if disk.kind == "h5-lzf":  # h5py's error, wrapped: names the file and the check to run
-            assert str(disk.late_file) in msg and "h5dump" in msg
-        else:
-            assert f"short read from {disk.late_file}" in msg and "recreate the source" in msg
-        with pytest.raises(OSError):  # the file stays short: every later epoch fails too, clearly
+        assert isinstance(info.value, FileChangedError), msg
+        assert f"{disk.late_file} changed after the source was made" in msg and "recreate the source" in msg
+        with pytest.raises(FileChangedError):  # the file stays short: every later epoch fails too, clearly
             for _ in pf:
                 pass
     stopped()
-    what = "OSError naming the file (h5py's error wrapped)" if disk.kind == "h5-lzf" else (
-        "OSError 'short read from <file>'")
-    note(f"{what} after an exact prefix; the next epoch fails the same way")
+    note("FileChangedError '<file> changed after the source was made' after an exact prefix; the next "
+         "epoch fails the same way")
 
 
 def _child_status(fn, timeout=30.0):
@@ -219,7 +217,7 @@ def test_source_file_truncated_between_shuffled_batches(kind, gather, tmp_path):
             except OSError as exc:
                 seen.write_text(f"{type(exc).__name__}: {exc} after {len(got)} batches")
                 check_epoch(got, disk.data, plan, complete=False)
-                return 3 if f"short read from {disk.late_file}" in str(exc) else 4
+                return 3 if f"{disk.late_file} changed after the source was made" in str(exc) else 4
             except BaseException as exc:
                 seen.write_text(f"{type(exc).__name__}: {exc} after {len(got)} batches")
                 raise
@@ -235,7 +233,7 @@ def test_source_file_truncated_between_shuffled_batches(kind, gather, tmp_path):
     else:
         assert gathered, "the rows were never gathered from a memory map"
     checked(3)
-    note("OSError 'short read from <file>' after exact batches (in a forked child)")
+    note("FileChangedError naming the file after exact batches (in a forked child)")
 
 
 @pytest.mark.timeout(30)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -23,6 +24,11 @@ def _data(n: int = 37) -> dict[str, np.ndarray]:
         "grp/y": rng.integers(0, 10, size=n).astype(np.int64),
         "w": rng.standard_normal((n, 3)).astype(np.float32),
     }
+
+
+def _file(folder, field):
+    """The data file of ``field`` that the manifest in ``folder`` names."""
+    return folder / json.loads((folder / "manifest.json").read_text())["fields"][field]["file"]
 
 
 def _h5(path, data, big_endian_w=False, gzip=False):
@@ -50,12 +56,13 @@ def test_manifest_contents_and_alignment(tmp_path):
     manifest = convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw", align=512)
     assert manifest == tmp_path / "raw" / "manifest.json"
     doc = json.loads(manifest.read_text())
-    assert doc["format"] == "gpufeed.raw" and doc["version"] == 1 and doc["num_samples"] == 37
+    assert doc["format"] == "gpufeed.raw" and doc["version"] == 2 and doc["num_samples"] == 37
     assert doc["source"]["path"] == str((tmp_path / "in.h5").resolve())
     assert doc["source"]["size"] == os.path.getsize(tmp_path / "in.h5")
     y = doc["fields"]["grp/y"]
+    gen = re.fullmatch(r"grp__y\.gen-([0-9a-f]{12})\.bin", y["file"]).group(1)
     assert y == {
-        "file": "grp__y.bin",
+        "file": f"grp__y.gen-{gen}.bin",
         "dtype": "<i8",
         "shape": [],
         "num_samples": 37,
@@ -66,7 +73,8 @@ def test_manifest_contents_and_alignment(tmp_path):
         assert spec["offset"] % 512 == 0
         assert os.path.getsize(tmp_path / "raw" / spec["file"]) == spec["file_size"]
         assert spec["file_size"] % 512 == 0
-    assert sorted(os.listdir(tmp_path / "raw")) == ["grp__y.bin", "manifest.json", "w.bin", "x.bin"]
+    assert sorted(os.listdir(tmp_path / "raw")) == [".gpufeed-convert.lock", f"grp__y.gen-{gen}.bin",
+                                                    "manifest.json", f"w.gen-{gen}.bin", f"x.gen-{gen}.bin"]
 
 
 def test_passing_the_manifest_path_or_directory_to_raw_source(tmp_path):
@@ -82,8 +90,8 @@ def test_rerun_with_unchanged_source_does_nothing(tmp_path):
     _h5(tmp_path / "in.h5", _data())
     manifest = convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")
     before = {p: os.stat(tmp_path / "raw" / p).st_mtime_ns for p in os.listdir(tmp_path / "raw")}
-    os.utime(tmp_path / "raw" / "x.bin", ns=(1, 1))  # a rewrite would change this again
-    before["x.bin"] = 1
+    os.utime(_file(tmp_path / "raw", "x"), ns=(1, 1))  # a rewrite would change this again
+    before[_file(tmp_path / "raw", "x").name] = 1
     assert convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw") == manifest
     after = {p: os.stat(tmp_path / "raw" / p).st_mtime_ns for p in os.listdir(tmp_path / "raw")}
     assert after == before
@@ -114,7 +122,7 @@ def test_changed_fields_are_reconverted(tmp_path):
 def test_damaged_output_is_reconverted(tmp_path):
     _h5(tmp_path / "in.h5", _data())
     convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")
-    with open(tmp_path / "raw" / "w.bin", "r+b") as fh:
+    with open(_file(tmp_path / "raw", "w"), "r+b") as fh:
         fh.truncate(10)
     assert len(RawSource(convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw"))) == 37
 
@@ -148,7 +156,8 @@ def test_unsupported_datasets_are_skipped_and_named_and_a_named_one_raises_writi
     with h5py.File(tmp_path / "in.h5", "w") as f:
         f["x"] = np.arange(10, dtype=np.float32).reshape(5, 2)
         f["s"] = np.array(["a", "b", "c", "d", "e"], dtype=h5py.string_dtype())
-    with pytest.warns(RuntimeWarning, match=r"skipped \['s'\], which cannot become raw samples: .*strings"):
+    with pytest.warns(RuntimeWarning, match=r"skipped \['s'\], not converted as fields: 's': .*strings.*kept "
+                      r"in the manifest's metadata: \['s'\]"):
         manifest = convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")
     doc = json.loads(manifest.read_text())
     assert list(doc["fields"]) == ["x"] and list(doc["skipped"]) == ["s"]
@@ -204,46 +213,52 @@ def test_a_conversion_failing_part_way_leaves_the_earlier_one_in_its_folder_as_i
     assert all(np.array_equal(out[k].numpy(), data[k]) for k in out)
 
 
-def test_a_rename_that_fails_leaves_no_manifest_and_no_temporary_file(tmp_path, monkeypatch):
+def test_a_rename_that_fails_leaves_the_earlier_conversion_and_no_temporary_file(tmp_path, monkeypatch):
+    """The one rename that switches generations fails: the earlier manifest and files stay, readable as
+    they were, the error names the manifest and the folder, and nothing of the new generation is left."""
     _h5(tmp_path / "in.h5", _data())
     convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")
+    before = {p: (tmp_path / "raw" / p).read_bytes() for p in os.listdir(tmp_path / "raw")}
     _h5(tmp_path / "in.h5", {k: v[::-1].copy() for k, v in _data().items()})
     st = os.stat(tmp_path / "in.h5")
     os.utime(tmp_path / "in.h5", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    real, renames = os.replace, []
 
-    def second_fails(a, b):
-        renames.append(b)
-        if len(renames) == 2:
-            raise OSError("rename failed")
-        return real(a, b)
+    def fails(a, b):
+        raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(os, "replace", second_fails)
-    with pytest.raises(OSError, match="rename failed"):
+    monkeypatch.setattr(os, "replace", fails)
+    with pytest.raises(PermissionError, match=rf"renaming .*manifest.json.*the earlier conversion in "
+                       rf"{re.escape(str(tmp_path / 'raw'))} is unchanged"):
         convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw")
-    left = sorted(os.listdir(tmp_path / "raw"))
-    assert "manifest.json" not in left and not [p for p in left if ".tmp-" in p], left
+    monkeypatch.undo()
+    after = {p: (tmp_path / "raw" / p).read_bytes() for p in os.listdir(tmp_path / "raw")}
+    assert after == before
+    src = RawSource(tmp_path / "raw")
+    out = {"x": torch.empty(37, 2, 3, dtype=torch.uint8)}
+    RawSource(tmp_path / "raw", fields=["x"]).read(range(37), out)
+    assert np.array_equal(out["x"].numpy(), _data()["x"]) and len(src) == 37
 
 
 def test_a_converted_file_read_directly_returns_no_padding_rows(tmp_path):
     with h5py.File(tmp_path / "in.h5", "w") as f:
         f["x"] = np.arange(16, dtype=np.float32).reshape(8, 2)  # 64 bytes, padded to 4096: 504 rows of zeros
     convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "unpadded")
-    assert os.path.getsize(tmp_path / "unpadded" / "x.bin") == 64  # by default a file holds its data only
+    assert os.path.getsize(_file(tmp_path / "unpadded", "x")) == 64  # by default a file holds its data only
     convert_h5_to_raw(tmp_path / "in.h5", tmp_path / "raw", align=4096)
-    assert os.path.getsize(tmp_path / "raw" / "x.bin") == 4096
-    src = RawSource(tmp_path / "raw" / "x.bin", dtype="float32", shape=(2,))
+    x_bin = _file(tmp_path / "raw", "x")
+    assert os.path.getsize(x_bin) == 4096
+    src = RawSource(x_bin, dtype="float32", shape=(2,))
     assert len(src) == 8
     out = {"x": torch.empty(8, 2)}
     src.read(range(8), out)
     assert torch.equal(out["x"], torch.arange(16.0).view(8, 2))
-    as_bytes = RawSource(tmp_path / "raw" / "x.bin", dtype="uint8", shape=())  # the same 64 bytes, by byte
+    as_bytes = RawSource(x_bin, dtype="uint8", shape=())  # the same 64 bytes, by byte
     assert len(as_bytes) == 64
     with pytest.raises(ValueError, match="64 bytes of data"):
-        RawSource(tmp_path / "raw" / "x.bin", dtype="float32", shape=(3,))  # 12-byte samples do not fit
-    with open(tmp_path / "raw" / "x.bin", "ab") as fh:  # no longer the file the manifest describes
+        RawSource(x_bin, dtype="float32", shape=(3,))  # 12-byte samples do not fit
+    with open(x_bin, "ab") as fh:  # no longer the file the manifest describes
         fh.write(bytes(4096))
-    assert len(RawSource(tmp_path / "raw" / "x.bin", dtype="float32", shape=(2,))) == 1024
+    assert len(RawSource(x_bin, dtype="float32", shape=(2,))) == 1024
 
 
 def test_raw_source_selects_and_renames_the_fields_of_a_manifest_as_h5source_does(tmp_path):

@@ -11,7 +11,7 @@ import torch
 
 h5py = pytest.importorskip("h5py")
 
-from gpufeed.sources import H5Source  # noqa: E402
+from gpufeed.sources import FileChangedError, H5Source  # noqa: E402
 from gpufeed.testing import SourceContract  # noqa: E402
 
 
@@ -194,7 +194,8 @@ def test_no_hdf5_file_stays_open_after_construction(tmp_path):
 
 def test_a_file_cut_after_h5py_opened_it_is_an_error_not_zeros(tmp_path):
     """HDF5 reads past the end of an open file as zeros, without an error: rows of an lzf field (read by
-    h5py) whose chunks were cut off must raise OSError naming the file, never come back wrong."""
+    h5py) whose chunks were cut off must raise FileChangedError (an OSError) naming the file and its sizes,
+    never come back wrong."""
     x = np.arange(200 * 1000, dtype=np.float32).reshape(200, 1000)
     path = tmp_path / "l.h5"
     with h5py.File(path, "w") as f:
@@ -206,7 +207,7 @@ def test_a_file_cut_after_h5py_opened_it_is_an_error_not_zeros(tmp_path):
     size = path.stat().st_size
     os.truncate(path, size // 2)
     for start in (0, 100):  # a chunk before the cut, and one past it (h5py alone returned it wrong)
-        with pytest.raises(OSError, match=re.escape(f"of {path} through h5py: the file is {size // 2} bytes, "
-                                                    f"shorter than the {size} it had")):
+        with pytest.raises(FileChangedError, match=re.escape(f"{path} changed after the source was made: its "
+                                                             f"size went from {size} to {size // 2} bytes")):
             src.read(np.arange(start, start + 10), out)
     src.close()

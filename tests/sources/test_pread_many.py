@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpufeed.sources import H5Source, RawSource, _pread
+from gpufeed.sources import FileChangedError, H5Source, RawSource, _pread
 from gpufeed.sources._files import FileDescriptors
 
 
@@ -71,7 +71,10 @@ def test_shuffled_hdf5_rows_are_exact(backend, tmp_path):
 
 
 def test_file_truncated_mid_read_names_it(backend, tmp_path):
-    """The last row is cut 40 bytes short: its read comes back short, then at the end of the file."""
+    """The last row is cut 40 bytes short: its read comes back short, then at the end of the file. The
+    source reports the cut as the file having changed (before reading: its first read opens the file and
+    finds another size); below that check (identities off) the short read names the file and rows before
+    the cut still read."""
     x = np.random.default_rng(2).integers(0, 256, size=(50, 100), dtype=np.uint8)
     np.save(tmp_path / "x.npy", x)
     src = RawSource(tmp_path / "x.npy", mmap_gather=False)
@@ -79,6 +82,9 @@ def test_file_truncated_mid_read_names_it(backend, tmp_path):
     os.truncate(tmp_path / "x.npy", os.path.getsize(tmp_path / "x.npy") - 40)
     want = (f"short read from {tmp_path / 'x.npy'}: expected 100 bytes at offset {header + 49 * 100}, "
             "got 60; the file is shorter than when the source was opened")
+    with pytest.raises(FileChangedError, match="changed after the source was made"):
+        _read(src, np.array([3, 17, 49]), src.fields)
+    src._fds.idents = None  # the reads themselves, without the source's check of its files
     with pytest.raises(OSError, match=re.escape(want)):
         _read(src, np.array([3, 17, 49]), src.fields)
     out = _read(src, np.array([3, 17, 48]), src.fields)  # rows before the cut still read

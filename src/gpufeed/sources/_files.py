@@ -7,6 +7,7 @@ import errno
 import os
 from collections.abc import Sequence
 
+from ._identity import Identity, check
 from ._per_process import _PerProcess
 
 PathLike = str | os.PathLike
@@ -42,9 +43,47 @@ def source_label(kind: str, paths: Sequence[str]) -> str:
 
 
 class FileDescriptors(_PerProcess):
-    """Read-only OS file descriptors, for ``os.preadv`` (positional, so one fd serves every thread)."""
+    """Read-only OS file descriptors, for ``os.preadv`` (positional, so one fd serves every thread).
+
+    With ``idents`` (each path's identity when the source was made), a descriptor opened later (first
+    read, forked child, unpickled copy) must find the same file, and :meth:`check_open` compares every open
+    one with it: a source never reads a file other than the one whose layout it recorded.
+    """
+
+    idents: dict[str, Identity] | None = None  # (a source pickled before identities existed checks none)
+    where = ""
+
+    def __init__(self, paths: Sequence[str], idents: Sequence[Identity] | None = None,
+                 where: str = "") -> None:
+        super().__init__(paths)
+        self.idents = None if idents is None else dict(zip(paths, idents, strict=True))
+        self.where = where
+
+    def check_open(self, open_all: bool = False) -> None:
+        """Raise FileChangedError when a file open here (``open_all``: every file, opened now if need be)
+        is no longer the one the source was made on."""
+        if self.idents is None:
+            return
+        if open_all:
+            for i in range(len(self.paths)):
+                self.get(i)
+        if self._pid != os.getpid():
+            return
+        for path, fd in zip(self.paths, self._handles, strict=True):
+            if fd is not None:
+                check(path, self.idents[path], Identity.of(os.fstat(fd)), self.where)
 
     def _open(self, path: str) -> int:
+        fd = self._open_fd(path)
+        if self.idents is not None:
+            try:
+                check(path, self.idents[path], Identity.of(os.fstat(fd)), self.where)
+            except BaseException:
+                os.close(fd)
+                raise
+        return fd
+
+    def _open_fd(self, path: str) -> int:
         try:
             return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
@@ -90,3 +129,11 @@ def short_read_message(path: str, offset: int, want: int, got: int) -> str:
         f"short read from {path}: expected {want} bytes at offset {offset}, got {got}; the file is "
         "shorter than when the source was opened (truncated or rewritten?): recreate the source"
     )
+
+
+def io_error(exc: OSError, what: str, path: str) -> OSError:
+    """``exc`` again (same type and errno), its message saying ``what`` failed on ``path``: the OS's own
+    (``[Errno 28] No space left on device``) names no file."""
+    if exc.errno is None:
+        return type(exc)(f"{exc}: {what}")
+    return type(exc)(exc.errno, f"{exc.strerror}: {what}", path)

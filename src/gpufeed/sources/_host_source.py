@@ -12,6 +12,7 @@ from torch.utils.data import get_worker_info
 
 from ._files import FileDescriptors, source_label
 from ._gather import FileMaps, NotGathered, file_maps, gather_rows
+from ._identity import Identity
 from ._layout import Layout
 from ._out_tensors import check_outs, rows_bytes
 from ._pread import PendingReads, backend, pread_many, submit
@@ -42,6 +43,34 @@ class FileSource:
         """The ``mmap_gather`` setting: ``True``, ``False``, or ``None`` (gather batches found in the page
         cache)."""
         return self._mmap_gather
+
+    def check_unchanged(self) -> None:
+        """Raise ``FileChangedError`` (an OSError naming the file) when a file of the source changed since
+        it was made: another inode at its path (replaced), or another size or mtime (rewritten in place,
+        truncated). Every read checks the files it has open before and after reading, so no read returns
+        bytes through a layout the file no longer has; call this to ask before an epoch.
+
+        Raises:
+            FileChangedError: a file changed; recreate the source.
+            FileNotFoundError: a file not opened yet was deleted (names it).
+        """
+        self._fds.check_open(open_all=True)
+
+    def _checked_read(self, read: Any) -> None:
+        """``read()``, between two checks of the open files: a file that changed before or while it was
+        read raises FileChangedError, also when the read itself failed because of the change."""
+        # Reads through other handles (h5py's, memory maps) do not open the descriptors: check every file.
+        every = self._check_all or self._maps is not None
+        self._fds.check_open(open_all=every)
+        try:
+            read()
+        except Exception:
+            self._fds.check_open(open_all=True)  # a read that failed on a changed file says so
+            raise
+        self._fds.check_open()
+
+    #: Open every file before each read to check it (sources whose reads go through h5py's handles).
+    _check_all = False
 
     def close(self) -> None:
         """Close this process's file descriptors and maps (a later ``read`` reopens them). Idempotent."""
@@ -76,15 +105,17 @@ class HostFileSource(FileSource):
     _threads: int | None = 1  # (a source pickled before the setting existed reads on one thread)
 
     def _open_files(self, kind: str, paths: list[str], mmap_gather: bool | None,
-                    num_threads: int | None = None) -> None:
-        """Set the files of the source: their descriptors, memory maps per ``mmap_gather``, and the threads
+                    num_threads: int | None = None, idents: list[Identity] | None = None) -> None:
+        """Set the files of the source: their descriptors (checked against ``idents``, each file's identity
+        when the source read its layout; default: now), memory maps per ``mmap_gather``, and the threads
         a read spreads over."""
         if num_threads is not None and (type(num_threads) is not int or num_threads < 1):
             raise ValueError(f"{kind}: num_threads must be an int >= 1, got {num_threads!r}")
         self._threads = num_threads  # None: chosen per read (:attr:`num_threads`)
         self._paths = paths
         self._where = source_label(kind, paths)
-        self._fds = FileDescriptors(paths)
+        idents = [Identity.of_path(p) for p in paths] if idents is None else idents
+        self._fds = FileDescriptors(paths, idents, self._where)
         self._mmap_gather = gather_flag(mmap_gather, kind)
         self._maps = file_maps(paths, self._mmap_gather)
 
@@ -94,13 +125,16 @@ class HostFileSource(FileSource):
         Raises:
             IndexError: a row is outside ``[0, len(self))``.
             ValueError: an ``out`` tensor is missing, too small, of the wrong dtype/shape or not on the host.
-            OSError: a file ended early (changed after the source was opened), or a read failed; the
-                message names the file.
+            FileChangedError: (an OSError) a file changed after the source was made (names it).
+            OSError: a read failed; the message names the file.
         """
         runs = check_rows(rows, self._len, self._where)
         bufs = check_outs(self._fields, out, runs.n, "cpu", self._where)
         if runs.n == 0:
             return
+        self._checked_read(lambda: self._read_fields(runs, bufs))
+
+    def _read_fields(self, runs: Runs, bufs: Mapping[str, torch.Tensor]) -> None:
         for name, layout in self._layouts.items():
             self._read_field(layout, runs, bufs[name])
 
@@ -126,7 +160,8 @@ class HostFileSource(FileSource):
                 return None
             if runs.n:
                 reads.append((*layout.reads(runs), bufs[name].data_ptr(), runs.n * layout.row_nbytes))
-        return submit(self._fds, self._paths, reads, self.num_threads, keep=bufs)
+        self._fds.check_open()
+        return submit(self._fds, self._paths, reads, self.num_threads, keep=bufs, check=self._fds.check_open)
 
     @property
     def num_threads(self) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -134,8 +134,10 @@ class PendingReads:
     frees it twice.
     """
 
-    def __init__(self, ticket: int, paths: Sequence[str], packed: _Packed, keep: object) -> None:
+    def __init__(self, ticket: int, paths: Sequence[str], packed: _Packed, keep: object,
+                 check: Callable[[], None] | None = None) -> None:
         self._ticket: int | None = ticket
+        self._check = check
         self._where = (paths, packed)
         self._keep = keep
         # Made now, its address too: __del__ may run at interpreter exit, when nothing can be imported.
@@ -156,8 +158,21 @@ class PendingReads:
                 self._error = OSError("these reads were started by the process this one was forked from")
             ticket, self._ticket, self._keep = self._ticket, None, None
             _FREE(ticket)
+            self._after()
         if self._error is not None:
             raise self._error
+
+    def _after(self) -> None:
+        """Run the source's check of its files once the reads are done: a file that changed meanwhile is
+        the error (the read's own error, if any, its context)."""
+        check, self._check = self._check, None
+        if check is None:
+            return
+        try:
+            check()
+        except OSError as exc:
+            exc.__context__ = self._error
+            self._error = exc
 
     def cancel(self) -> bool:
         """Reads already queued are made: nothing to cancel (as a running Future's ``cancel``)."""
@@ -172,10 +187,11 @@ class PendingReads:
 
 
 def submit(fds: FileDescriptors, paths: Sequence[str], reads: Sequence[FieldReads], threads: int,
-           keep: object = None) -> PendingReads | None:
+           keep: object = None, check: Callable[[], None] | None = None) -> PendingReads | None:
     """Start the reads of several ``pread_many`` calls (one per field, each into its own memory) on the
     native reader's threads, up to ``threads`` of them, and return at once; None without the native reader.
-    ``keep``: what holds the memory the reads land in, kept until they are done.
+    ``keep``: what holds the memory the reads land in, kept until they are done; ``check``: called once
+    they are, its OSError raised by ``result()`` (a file that changed meanwhile).
 
     Raises:
         ValueError: a read would land outside its memory (a planning bug).
@@ -186,7 +202,7 @@ def submit(fds: FileDescriptors, paths: Sequence[str], reads: Sequence[FieldRead
     ticket = _SUBMIT(*packed.args(), 1, threads, SHARE_BYTES)
     if not ticket:
         return None
-    return PendingReads(ticket, paths, packed, keep)
+    return PendingReads(ticket, paths, packed, keep, check)
 
 
 class _Packed(NamedTuple):

@@ -114,6 +114,8 @@ class GDSSource(FileSource):
         self._fields = {n: lay.field for n, lay in self._layouts.items()}
         self._len = len(inner)
         self._inner_repr = repr(inner)
+        ids = getattr(inner._fds, "idents", None)  # each file as the inner source found it
+        self._idents = None if ids is None else [ids[p] for p in self._paths]
         self._task_size = task_size
         self._where = source_label("GDSSource", self._paths)
         self._configure(mode, num_threads)
@@ -139,7 +141,7 @@ class GDSSource(FileSource):
         # than such a read (docs/design.md, "kvikio in compat mode").
         self._small = int(self._task_size or defaults.get("task_size")) if self._mode == "compat" else 0
         self._files = _CuFiles(self._paths)
-        self._fds = FileDescriptors(self._paths)
+        self._fds = FileDescriptors(self._paths, getattr(self, "_idents", None), self._where)
         self._maps = file_maps(self._paths, self._mmap_gather) if self._mode == "compat" else None
 
     @property
@@ -173,6 +175,7 @@ class GDSSource(FileSource):
         Raises:
             IndexError: a row is outside ``[0, len(self))``.
             ValueError: an ``out`` tensor is missing, too small, of the wrong dtype/shape or device.
+            FileChangedError: (an OSError) a file changed after the source was made (names it).
             OSError: a read came back short (file truncated) or kvikio failed.
         """
         runs = check_rows(rows, self._len, self._where)
@@ -180,6 +183,9 @@ class GDSSource(FileSource):
         bufs = check_outs(self._fields, out, runs.n, device_type, self._where)
         if runs.n == 0:
             return
+        self._checked_read(lambda: self._read_all(runs, bufs, device_type))
+
+    def _read_all(self, runs: Runs, bufs: Mapping[str, torch.Tensor], device_type: str) -> None:
         pending: list[tuple[Any, int, int, int]] = []
         error: BaseException | None = None
         small, paths = self._small, self._paths

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dc_field
@@ -17,8 +18,12 @@ from gpufeed._extras import require
 
 from ._files import PathLike, as_paths, check_file, pread_exact
 from ._gpu_inflate import decode_stream, inflate_rows, use_gpu
+from ._h5open import open_h5
 from ._host_source import HostFileSource
+from ._identity import Identity
+from ._interrupt import Watch, watching
 from ._layout import Extent, Layout, merge_extents
+from ._metadata import decode, from_h5
 from ._out_tensors import check_outs, host_bytes
 from ._per_process import _PerProcess
 from ._runs import Runs, check_rows
@@ -86,7 +91,10 @@ class H5Source(HostFileSource):
     Args:
         paths: an HDF5 file, or a list of files concatenated along samples.
         fields: dataset names (``["images", "labels"]``; a name like ``"grp/x"`` becomes field
-            ``"grp/x"``), or ``{field name: dataset path}``. ``None``: every dataset of the first file.
+            ``"grp/x"``), one name (``"images"``, the same as ``["images"]``), or ``{field name: dataset
+            path}``. ``None``: of the first file's datasets that can become samples, the largest group
+            sharing one first-axis length (ties: the most bytes); the others are named with why in one
+            RuntimeWarning and in ``skipped``, and ``metadata`` holds the small ones and every attribute.
         use_offsets: ``False`` reads everything through h5py (for comparison and debugging).
         decode: where gzip chunks are decoded: ``"auto"`` and ``"cpu"``: the reader threads (zlib, in
             parallel); ``"gpu"``: nvCOMP on the GPU (``pip install 'gpufeed[nvcomp]'``), several times
@@ -130,15 +138,25 @@ class H5Source(HostFileSource):
             raise ValueError(f"H5Source: decode must be 'auto', 'gpu' or 'cpu', got {decode!r}")
         self._paths = as_paths(paths, "H5Source")
         self._sizes = [check_file(p, "H5Source") for p in self._paths]  # h5py reads past a cut as zeros
+        idents = [Identity.of_path(p) for p in self._paths]  # before the layouts are read from the files
         names: dict[str, str] = {}
         found: list[dict[str, _Found]] = []
+        self._skipped: dict[str, str] = {}
         for i, path in enumerate(self._paths):
             with _open(h5py, path) as f:
+                if not names and fields is None:
+                    names, self._skipped = default_fields(h5py, f, path)
                 names = names or _resolve_fields(h5py, f, fields, path)
                 per_field = {name: _inspect(h5py, f, ds, path, i, use_offsets) for name, ds in names.items()}
             _check_counts(path, per_field)
             found.append(per_field)
         self._datasets = dict(names)
+        self._metadata: dict[str, Any] | None = None
+        if self._skipped:
+            warnings.warn(f"H5Source: {self._paths[0]}: reading {list(names)}; left out: "
+                          + "; ".join(f"'{k}': {v}" for k, v in self._skipped.items())
+                          + " (source.metadata holds the file's attributes and small datasets; pass "
+                          "fields= to choose)", RuntimeWarning, stacklevel=2)
         self._layouts = {name: _layout(name, [ff[name] for ff in found], self._paths) for name in names}
         self._fields = {n: lay.field for n, lay in self._layouts.items()}
         self._how = {
@@ -149,11 +167,36 @@ class H5Source(HostFileSource):
         if mmap_gather is True and not any(lay.by_offset for lay in self._layouts.values()):
             raise ValueError("H5Source: mmap_gather=True applies to fields read by byte offset, and no field "
                              "here is (describe() says how each is read); leave mmap_gather at None")
-        self._open_files("H5Source", self._paths, mmap_gather, num_threads)
+        self._open_files("H5Source", self._paths, mmap_gather, num_threads, idents)
+        self._check_all = not all(lay.by_offset for lay in self._layouts.values())  # h5py reads its own
         self._h5 = _H5Files(self._paths)
         self._tables = {(i, ff[n].extents[0].dataset): ff[n].table
                         for i, ff in enumerate(found) for n in names if ff[n].table is not None}
         self._gpu = bool(self._tables) and use_gpu(decode, "H5Source")
+
+    @property
+    def skipped(self) -> Mapping[str, str]:
+        """The datasets left out when no ``fields`` were named, with why (see ``fields``)."""
+        return MappingProxyType(getattr(self, "_skipped", {}))
+
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        """What the first file holds beside the fields: ``{"attrs": {object path: {name: value}},
+        "datasets": {name: value}}``, every attribute and each dataset not read as a field up to 64 KiB
+        (class names, a mean, a std), as numpy arrays (strings: arrays of ``str``). Read on first use;
+        equal to what ``RawSource(convert_h5_to_raw(...)).metadata`` gives.
+
+        Raises:
+            FileChangedError: the file changed since the source was made.
+        """
+        if getattr(self, "_metadata", None) is None:
+            self.check_unchanged()
+            h5py = require("h5py", "H5Source")
+            mine = {d.strip("/") for d in self._datasets.values()}
+            with _open(h5py, self._paths[0]) as f:
+                doc, _ = from_h5(h5py, f, [d for d in datasets(h5py, f) if d not in mine])
+            self._metadata = decode(doc)
+        return MappingProxyType(self._metadata)
 
     @property
     def reads_to(self) -> Literal["host", "device"]:  # type: ignore[override]
@@ -203,9 +246,11 @@ class H5Source(HostFileSource):
         Raises:
             IndexError: a row is outside ``[0, len(self))``.
             ValueError: an ``out`` tensor is missing, too small, of the wrong dtype/shape or device.
+            FileChangedError: (an OSError) a file changed after the source was made (names it); also
+                when a read failed or a chunk did not decode because of the change.
             OSError: a file ended early or a read failed; the message names the file.
-            CorruptChunkError: (an OSError) a gzip chunk does not decode; the message names the file, the
-                dataset and the chunk.
+            CorruptChunkError: (an OSError) a gzip chunk does not decode in a file that did not change;
+                the message names the file, the dataset and the chunk.
         """
         if not self._gpu or not any(isinstance(t, torch.Tensor) and t.is_cuda for t in out.values()):
             super().read(rows, out)
@@ -214,6 +259,9 @@ class H5Source(HostFileSource):
         bufs = check_outs(self._fields, out, runs.n, "cuda", self._where)
         if runs.n == 0:
             return
+        self._checked_read(lambda: self._read_device(runs, bufs))
+
+    def _read_device(self, runs: Runs, bufs: Mapping[str, torch.Tensor]) -> None:
         pending = []
         with decode_stream(next(iter(bufs.values())).device) as stream:
             for name, layout in self._layouts.items():
@@ -285,6 +333,11 @@ class H5Source(HostFileSource):
         self, layout: Layout, runs: list[tuple[int, int]], t: torch.Tensor, mv: memoryview
     ) -> None:
         """The runs of extents read by byte offset or through h5py (gzip extents are skipped)."""
+        with watching() as interrupts:
+            self._read_runs(layout, runs, t, mv, interrupts)
+
+    def _read_runs(self, layout: Layout, runs: list[tuple[int, int]], t: torch.Tensor, mv: memoryview,
+                   interrupts: Watch) -> None:
         arr = t.numpy()
         rn = layout.row_nbytes
         for ext, r, k, o in layout.split(runs):
@@ -304,6 +357,7 @@ class H5Source(HostFileSource):
                 msg = (f"{what} failed ({exc}); the file may be truncated or damaged: check it with h5dump, "
                        "or recreate it")
                 raise (OSError(exc.errno, msg) if exc.errno else OSError(msg)) from exc
+            interrupts.check()  # a Ctrl-C that h5py swallowed
             self._check_size(ext.file, what)
 
     def _check_size(self, i: int, what: str) -> None:
@@ -332,7 +386,7 @@ class _H5Files(_PerProcess):
 
     def _open(self, path: str) -> tuple[Any, dict[str, Any]]:
         h5py = require("h5py", "H5Source")
-        return h5py.File(path, "r", rdcc_nbytes=_CHUNK_CACHE_BYTES), {}
+        return open_h5(h5py, path, rdcc_nbytes=_CHUNK_CACHE_BYTES), {}
 
     def _close(self, handle: tuple[Any, dict[str, Any]]) -> None:
         handle[1].clear()
@@ -342,26 +396,24 @@ class _H5Files(_PerProcess):
         f, cache = self.get(i)
         dset = cache.get(name)
         if dset is None:
-            dset = cache[name] = f[name]
+            dset = cache[name] = f.file[name]
         return dset
 
 
 def _open(h5py: Any, path: str) -> Any:
+    """The file as it is now (see ``_h5open``), as a context manager that yields the ``h5py.File``."""
     try:
-        return h5py.File(path, "r")
+        return open_h5(h5py, path)
     except OSError as exc:
         raise ValueError(f"H5Source: cannot open {path} as HDF5 ({exc}); is it an HDF5 file?") from exc
 
 
 def _resolve_fields(h5py: Any, f: Any, fields: Any, path: str) -> dict[str, str]:
-    """``{field name: dataset path}`` from the ``fields`` argument (``None``: every dataset)."""
+    """``{field name: dataset path}`` from the ``fields`` argument: names, one name, or a mapping (``None``:
+    see :func:`default_fields`)."""
     if fields is None:
-        found: list[str] = []
-        f.visititems(lambda name, obj: found.append(name) if isinstance(obj, h5py.Dataset) else None)
-        if not found:
-            raise ValueError(f"H5Source: {path} holds no dataset")
-        return {name: name for name in found}
-    if isinstance(fields, str):
+        return default_fields(h5py, f, path)[0]
+    if isinstance(fields, str):  # one dataset, by name
         fields = [fields]
     if isinstance(fields, Mapping):
         names = {str(k): str(v) for k, v in fields.items()}
@@ -372,9 +424,45 @@ def _resolve_fields(h5py: Any, f: Any, fields: Any, path: str) -> dict[str, str]
     return names
 
 
-def _available(h5py: Any, f: Any) -> str:
+def default_fields(h5py: Any, f: Any, path: str, indirect_ok: bool = False
+                   ) -> tuple[dict[str, str], dict[str, str]]:
+    """The fields read when none are named, and why each other dataset is left out: of the datasets that
+    can become samples, the largest group sharing one first-axis length (the most datasets; between
+    groups as large, the most bytes). A file's ``mean`` (3,) and ``std`` (3,) beside ``images`` (N, ...)
+    and ``labels`` (N,) are metadata, not two more fields of 3 samples.
+
+    Raises:
+        ValueError: no dataset can become samples (names the file and each dataset's reason).
+    """
+    left, groups = {}, {}
+    for name in datasets(h5py, f):
+        try:
+            _inspect(h5py, f, name, path, 0, use_offsets=False, indirect_ok=indirect_ok)
+        except ValueError as exc:
+            left[name] = str(exc)
+            continue
+        groups.setdefault(int(f[name].shape[0]), []).append(name)
+    if not groups:
+        why = "; ".join(left.values()) or "it holds no dataset"
+        raise ValueError(f"H5Source: {path}: no dataset can become raw samples: {why}")
+    size = {n: sum(f[d].size * f[d].dtype.itemsize for d in ds) for n, ds in groups.items()}
+    rows = max(groups, key=lambda n: (len(groups[n]), size[n], n))
+    for n, names in groups.items():
+        for name in names if n != rows else ():
+            left[name] = (f"{n} rows, not the {rows} samples of {groups[rows]} (the largest group of "
+                          "datasets of one length)")
+    return {name: name for name in groups[rows]}, left
+
+
+def datasets(h5py: Any, f: Any) -> list[str]:
+    """Every dataset of an open file, by path (no leading ``/``)."""
     found: list[str] = []
     f.visititems(lambda name, obj: found.append(name) if isinstance(obj, h5py.Dataset) else None)
+    return found
+
+
+def _available(h5py: Any, f: Any) -> str:
+    found = datasets(h5py, f)
     shown = ", ".join(found[:20]) + (", ..." if len(found) > 20 else "")
     return shown or "none"
 

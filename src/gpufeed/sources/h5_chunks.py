@@ -127,7 +127,9 @@ class ChunkTable:
         return CorruptChunkError(
             f"{self.path}: dataset '{self.dataset}': chunk {chunk} (starting at element {corner}, "
             f"{int(self.sizes[chunk])} bytes at byte offset {int(self.offsets[chunk])}) is corrupt: {why}; "
-            f"the file is damaged: recreate it, or check it with h5dump -d {self.dataset}"
+            "the file is damaged, or it was rewritten while this read ran (a file seen changed raises "
+            f"FileChangedError instead): recreate the source; if this persists, check the file with "
+            f"h5dump -d {self.dataset}"
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -12,6 +13,7 @@ from . import _manifest
 from ._files import PathLike, as_paths, check_file
 from ._host_source import HostFileSource
 from ._layout import Extent, Layout
+from ._metadata import decode
 from ._sample_type import sample_shape, torch_dtype
 from .base import Field
 
@@ -86,8 +88,10 @@ class RawSource(HostFileSource):
             if dtype is not None or shape is not None or name is not None:
                 raise ValueError("RawSource: a manifest records each field's name, dtype and shape; do not "
                                  "pass name=, dtype= or shape= (select fields with fields=[...])")
-            self._build(_select(_from_manifest(paths), fields, str(paths)), mmap_gather, num_threads)
+            per_field, self._metadata = _from_manifest(paths)
+            self._build(_select(per_field, fields, str(paths)), mmap_gather, num_threads)
             return
+        self._metadata = decode(None)
         name = "x" if name is None else name
         if isinstance(paths, Mapping):  # else its keys would be taken for file names
             raise TypeError(
@@ -126,8 +130,15 @@ class RawSource(HostFileSource):
             >>> src = RawSource.from_manifest(convert_h5_to_raw("train.h5", "train.raw"))  # doctest: +SKIP
         """
         self = cls.__new__(cls)
-        self._build(_from_manifest(path), mmap_gather, num_threads)
+        per_field, self._metadata = _from_manifest(path)
+        self._build(per_field, mmap_gather, num_threads)
         return self
+
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        """What a manifest keeps beside the fields (``convert_h5_to_raw`` carries the HDF5 file's attributes
+        and small datasets: see ``H5Source.metadata``); empty for files given directly."""
+        return MappingProxyType(getattr(self, "_metadata", None) or decode(None))
 
     def _build(
         self, per_field: list[tuple[Field, list[tuple[str, int, int]]]], mmap_gather: bool | None,
@@ -162,13 +173,14 @@ def _is_manifest(paths: Any) -> bool:
     return p.endswith(".json") or os.path.isdir(p)
 
 
-def _from_manifest(path: PathLike) -> list[tuple[Field, list[tuple[str, int, int]]]]:
-    _, entries = _manifest.load(path)
+def _from_manifest(path: PathLike) -> tuple[list[tuple[Field, list[tuple[str, int, int]]]], dict[str, Any]]:
+    """Each field of a manifest with its file, and the manifest's metadata."""
+    doc, entries = _manifest.load(path)
     out = []
     for e in entries:
         field = Field(e.name, e.shape, torch_dtype(e.dtype, f"{e.path} (field '{e.name}')"))
         out.append((field, [(e.path, e.offset, e.num_samples)]))
-    return out
+    return out, decode(doc.get("metadata"))
 
 
 def _select(per_field: list[tuple[Field, list[tuple[str, int, int]]]],
@@ -268,10 +280,12 @@ def _npy(name: str, path: str, size: int, opts: dict[str, Any]) -> tuple[Field, 
                 raise ValueError(f"RawSource: {path} holds {key} {got}, but {key}={want} was passed")
     rows = int(shape[0])
     need = off + rows * _row_bytes(field, path)
-    if size < need:
+    if size != need:
+        what = "is truncated" if size < need else "holds more than its header describes"
         raise ValueError(
-            f"RawSource: {path} is truncated: its header says {rows} samples ({need} bytes with the "
-            f"header) but the file holds {size} bytes; re-save it"
+            f"RawSource: {path} {what}: its header says {rows} samples of {tuple(shape[1:])} {dt} from "
+            f"byte {off} ({need} bytes in all) but the file holds {size} bytes; the header or the data is "
+            "damaged: re-save it with np.save"
         )
     return field, off, rows
 
@@ -316,8 +330,11 @@ def npy_header(path: str) -> NpyHeader:
             # 3.0 only differs from 2.0 by allowing utf-8 in the header, which dtype/shape never need.
             read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
             shape, fortran, dtype = read(fh)
-        except ValueError as exc:
-            raise ValueError(f"{path} is not a valid .npy file ({exc}); write it with np.save") from exc
+        except OSError:
+            raise
+        except Exception as exc:  # numpy's parser raises ValueError, SyntaxError, tokenize.TokenError ...
+            raise ValueError(f"{path} is not a valid .npy file (its header does not parse: "
+                             f"{type(exc).__name__}: {exc}); write it with np.save") from exc
         return NpyHeader(version, shape, fortran, dtype, fh.tell())
 
 
