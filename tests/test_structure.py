@@ -25,9 +25,9 @@ def _imports() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base])
-                    base = base.rstrip(".")
-                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+                    parts = package.split(".")
+                    base = ".".join([*parts[: len(parts) - node.level + 1], base]).rstrip(".")
+                targets = [base, *(f"{base}.{a.name}" for a in node.names)]
             for t in targets:
                 while t and t not in modules:  # gpufeed.x.y (a name in module gpufeed.x) -> gpufeed.x
                     t = t.rpartition(".")[0]
@@ -42,7 +42,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
     def visit(n: str) -> list[str] | None:
         if n in path:
-            return path[path.index(n):] + [n]
+            return [*path[path.index(n):], n]
         if n in done:
             return None
         path.append(n)

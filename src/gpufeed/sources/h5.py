@@ -14,6 +14,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from gpufeed import host_memory
 from gpufeed._extras import require
 
 from ._files import PathLike, as_paths, check_file, pread_exact
@@ -274,7 +275,7 @@ class H5Source(HostFileSource):
         copy, then gzip chunks are decoded over them (same stream, so in that order)."""
         groups = self._decoded_rows(layout, runs)
         if sum(len(rows) for _, rows, _ in groups.values()) < runs.n:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host = host_memory.pinned_empty(t.nbytes).view(t.dtype).view(t.shape)
             if layout.by_offset:
                 super()._read_field(layout, runs, host)
             else:
