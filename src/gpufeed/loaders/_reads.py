@@ -107,21 +107,24 @@ class EpochReads:
         return _Batch(self._submit_pieces(rows, out), out, None, None)
 
     def _submit_pieces(self, rows: Any, out: dict[str, torch.Tensor], first_here: bool = False) -> list[Any]:
+        """Start the reads of a batch: one small read on this thread (a handoff to a thread costs more than
+        it), a source's own threads where it starts them itself, else pieces on the reader threads (on the
+        CPU this thread reads the first piece: one handoff fewer)."""
         n = len(rows)
-        if self.submits and not first_here:  # (on the CPU the loop's thread reads a piece itself)
+        row = _read_plan.row_bytes(self.fields)
+        pieces = _read_plan.pieces(0, n, n, self.read_threads, row, None)
+        jobs = [functools.partial(self.source.read, rows[a:b], {k: t[a:b] for k, t in out.items()})
+                for a, b in pieces]
+        if len(jobs) == 1 and n * row <= _read_plan.INLINE_BYTES:
+            return [_threads.run_now(jobs[0])]
+        if self.submits and not first_here:
             try:
                 pending = self.source.submit(rows, out)
             except Exception as exc:  # raised by this batch's read, in its turn
                 pending = _threads.failed(exc)
             if pending is not None:
                 return [pending]
-        row = _read_plan.row_bytes(self.fields)
-        pieces = _read_plan.pieces(0, n, n, self.read_threads, row, None)
-        jobs = [functools.partial(self.source.read, rows[a:b], {k: t[a:b] for k, t in out.items()})
-                for a, b in pieces]
-        if len(jobs) == 1 and n * row <= _read_plan.INLINE_BYTES:  # one small read: no thread handoff
-            return [_threads.run_now(jobs[0])]
-        if first_here:  # the calling thread reads a piece too: one handoff fewer
+        if first_here:
             return [_threads.run_now(jobs[0]), *(self.executor.submit(j) for j in jobs[1:])]
         return [self.executor.submit(j) for j in jobs]
 
