@@ -124,34 +124,34 @@ def test_small_batches_go_on_the_loop_s_stream_once_their_copy_costs_less_than_t
     assert pf.stats.loop_stream_batches == 0
 
 
-def test_batches_kept_in_a_reference_cycle_are_safe_to_collect_in_a_forked_worker():
-    """Freeing a batch makes no CUDA call (no ``record_stream``): a DataLoader worker forked while the loop
-    keeps gpufeed batches in a cycle, and collecting it there, does not crash, and needs no collection before
-    the fork (which cost every epoch a full ``gc.collect()``)."""
+def test_cuda_objects_in_a_reference_cycle_are_never_collected_in_a_forked_worker():
+    """A prefetcher (its stream and events) and its batches left in a cycle when a DataLoader forks its
+    workers: collected there, an event or a pinned block would make a CUDA call and abort the worker. The
+    collector's objects are frozen while the workers start, so no worker frees them."""
     import gc
 
     class Cycle:
-        def __init__(self, batch):
-            self.me, self.batch = self, batch
+        def __init__(self, *held):
+            self.me, self.held = self, held
 
     class Collects(torch.utils.data.Dataset):
         def __len__(self):
             return 8
 
         def __getitem__(self, i):
-            gc.collect()  # in the worker: frees the parent's cycles, CUDA tensors included
+            gc.collect()  # in the worker
             return torch.tensor([i])
 
-    data = [torch.randn(1 << 18).pin_memory() for _ in range(4)]
     gc.disable()
     try:
-        with CudaPrefetcher(data) as pf:
-            for b in pf:
-                Cycle(b)
+        pf = CudaPrefetcher([torch.randn(1 << 18).pin_memory() for _ in range(4)])
+        Cycle(pf, list(pf), pf._stage)
+        del pf
         loader = torch.utils.data.DataLoader(Collects(), batch_size=2, num_workers=2,
                                              multiprocessing_context="fork")
-        with CudaPrefetcher(loader) as pf:
-            assert [b.tolist() for b in pf] == [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]]]
+        for _ in range(2):
+            with CudaPrefetcher(loader) as pf:
+                assert [b.tolist() for b in pf] == [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]]]
     finally:
         gc.enable()
 

@@ -3,6 +3,7 @@
 import collections
 import dataclasses
 import gc
+import os
 import random
 import threading
 import time
@@ -572,3 +573,44 @@ def test_a_batch_type_that_moves_itself_is_moved(device):
     assert all(b["m"].x.device.type == device.type for b in got)
     assert [b["m"].x.tolist() for b in got] == [[i] * 3 for i in range(4)]
     assert [b["t"].tolist() for b in got] == [[i, i] for i in range(4)]
+
+
+def test_a_forked_worker_never_collects_this_process_s_cycles(tmp_path):
+    """Collected in a worker, a cycle's CUDA objects (an event, a tensor a stream used) would make a CUDA
+    call and abort it: while a DataLoader forks its workers, the collector's objects are frozen, so the
+    worker never frees them; this process does, later. The freeze ends with the first batch."""
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            (tmp_path / f"freed-in-{os.getpid()}").touch()
+
+    class Collects(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            gc.collect()  # what a worker's own allocations may set off at any time
+            return torch.tensor([i])
+
+    def loader():
+        return torch.utils.data.DataLoader(Collects(), batch_size=2, num_workers=1,
+                                           multiprocessing_context="fork")
+
+    for wrapped in (loader(), loader):  # a DataLoader, and a callable that makes one each epoch
+        for p in tmp_path.iterdir():
+            p.unlink()
+        gc.disable()  # only explicit collections: the cycle survives until something collects it
+        try:
+            Cycle()
+            with CudaPrefetcher(wrapped, device="cpu") as pf:
+                it = iter(pf)
+                first = next(it)
+                assert gc.get_freeze_count() == 0
+                assert [first.tolist(), *(b.tolist() for b in it)] == [[[0], [1]], [[2], [3]]]
+            assert not list(tmp_path.iterdir())  # not freed in the worker
+            gc.collect()
+        finally:
+            gc.enable()
+        assert [p.name for p in tmp_path.iterdir()] == [f"freed-in-{os.getpid()}"], wrapped

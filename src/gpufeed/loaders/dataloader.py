@@ -7,6 +7,8 @@ collate into the prefetcher's worker arena (pinned shared memory), where one is 
 
 from __future__ import annotations
 
+import gc
+import multiprocessing
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -147,34 +149,61 @@ class LoaderAdapter:
 def _batches(loader: Any, arena: WorkerArena | None) -> Iterator[HostBatch]:
     """The batches of one iteration of ``loader``, those collated into ``arena`` as views of it.
 
-    The DataLoader's ``collate_fn`` is the arena's only until the first batch arrives: its workers have
-    started with it by then (at ``iter()`` for a DataLoader, at the first ``next()`` for a wrapper that
-    iterates one lazily, as accelerate's do), and the user's loader is left as it was."""
+    While the iteration starts its workers (at ``iter()`` for a DataLoader, at the first ``next()`` for a
+    wrapper that iterates one lazily, as accelerate's do), the DataLoader's ``collate_fn`` is the arena's,
+    and the garbage collector's objects are frozen (``gc.freeze``): a worker forked meanwhile never
+    collects this process's unreachable cycles, whose CUDA objects (an event, a tensor a stream used) would
+    make a CUDA call in the child and abort it. Both end when the first batch arrives."""
     inner = _workers_of(loader)
     collate = arena.begin(inner) if arena is not None and has_workers(inner) else None
     original = getattr(inner, "collate_fn", None)
     if collate is not None:
         inner.collate_fn = collate
+    frozen = _forks_workers(inner)
+    if frozen:
+        gc.freeze()
     it = None
     try:
         it = iter(loader)
         for batch in it:
-            if collate is not None and inner.collate_fn is collate:
-                inner.collate_fn = original
+            frozen = _started(frozen, inner, collate, original)
             if type(batch) is SlotBatch:
                 views, rebuild, lease = arena.open(batch)
                 yield HostBatch(rebuild(views), lease)
             else:
                 yield HostBatch(batch)
     finally:  # the iterator ends now (a DataLoader shuts its workers down), before the arena is reused
-        if collate is not None and inner.collate_fn is collate:
-            inner.collate_fn = original
+        _started(frozen, inner, collate, original)
         close = getattr(it, "close", None)
         if close is not None:
             close()
         del it
         if collate is not None:
             arena.end()
+
+
+def _started(frozen: bool, inner: Any, collate: Any, original: Any) -> bool:
+    """The workers started: the loader's own collate_fn back, the collector's objects unfrozen."""
+    if collate is not None and inner.collate_fn is collate:
+        inner.collate_fn = original
+    if frozen:
+        gc.unfreeze()
+    return False
+
+
+def _forks_workers(loader: Any) -> bool:
+    """Whether iterating ``loader`` forks worker processes now (a DataLoader whose workers start by fork,
+    unless persistent ones run already)."""
+    if not has_workers(loader):
+        return False
+    if loader.persistent_workers and getattr(loader, "_iterator", None) is not None:
+        return False
+    ctx = loader.multiprocessing_context
+    if ctx is not None:
+        return ctx.get_start_method() == "fork"
+    # Not set yet: the platform's default, which asking for the start method would also fix.
+    method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    return method == "fork"
 
 
 def _workers_of(loader: Any) -> Any:
