@@ -242,8 +242,9 @@ def test_stress_source_slow_consumer(kind, depth, tmp_path):
                 torch.cuda._sleep(SLEEP)
                 got.append(keep(b))
             check_epoch(got, disk.data, plan_batches(disk.n, 32, shuffle=True, epoch=epoch))
+        assert loader._pool.allocated == 8192 and loader._pool.allocations == 2  # two 4 KiB buffers, reused
     wait_no_threads()
-    assert loader._pool.allocated == 8192 and loader._pool.allocations == 2  # two 4 KiB buffers, reused
+    assert loader._pool.allocated == 0  # close() freed them
     note("every byte equal under a slow consumer, 3 shuffled epochs, through two pinned buffers")
 
 
