@@ -38,7 +38,8 @@ def targets_table(targets: list[dict], digits: int = 3) -> list[str]:
     lines = ["| target | value | met |", "| --- | ---: | --- |"]
     for t in targets:
         value = "-" if t["value"] is None else f"{t['value']:.{digits}f}"
-        lines.append(f"| {t['target']} | {value} | {'yes' if t['met'] else 'NO'} |")
+        met = "not measured" if t["met"] is None else "yes" if t["met"] else "NO"
+        lines.append(f"| {t['target']} | {value} | {met} |")
     return lines
 
 

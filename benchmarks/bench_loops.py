@@ -633,7 +633,7 @@ def _target(what: str, rows: list[dict[str, Any]], key: str, bound: float) -> di
     misses = sorted(((f, v) for f, v in values if v is None or v < bound), key=lambda x: x[1] or 0.0)
     known = [v for _, v in values if v is not None]
     return {"target": what, "key": key, "bound": bound, "feeds": len(values),
-            "value": min(known, default=None), "met": not misses,
+            "value": min(known, default=None), "met": (not misses) if values else None,
             "misses": [{"feed": f, "value": v} for f, v in misses]}
 
 
