@@ -17,6 +17,7 @@ import functools
 from collections.abc import Callable
 
 import torch
+from torch._utils import _unflatten_dense_tensors
 
 from gpufeed import host_memory
 
@@ -38,6 +39,12 @@ Job = Callable[[], None]
 def aligned(nbytes: int) -> int:
     """``nbytes`` rounded up to a multiple of ``ALIGN``."""
     return -(-nbytes // ALIGN) * ALIGN
+
+
+@functools.lru_cache(maxsize=256)
+def _padding(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor without storage describing ``numel`` elements of padding in a packed region."""
+    return torch.empty(numel, dtype=dtype, device="meta")
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -91,20 +98,40 @@ class Stager:
     def _pack(self, members: list[torch.Tensor], where: list[int], outs: list[torch.Tensor],
               device: torch.device) -> Job:
         """One device block for ``members``, their outputs views of it; the job fills one pinned block the
-        same way and copies it whole."""
-        offsets, end = [], 0
-        for t in members:
-            offsets.append(end)
-            end += aligned(t.nbytes)
+        same way and copies it whole. The tensors of one dtype lie in a region of their own, each at an
+        ``ALIGN``-aligned offset (padding between them described by meta tensors), so that each region's
+        views and copies are one torch call for all its tensors (``_unflatten_dense_tensors``,
+        ``_foreach_copy_``, as DDP's gradient buckets do), not a few per tensor."""
+        if len(members) == 1:  # alone: pin_memory() allocates and copies in one call
+            outs[where[0]] = torch.empty(members[0].shape, dtype=members[0].dtype, device=device)
+            return functools.partial(self._send, members[0], outs[where[0]])
+        regions: dict[torch.dtype, list[int]] = {}
+        for k, t in enumerate(members):
+            regions.setdefault(t.dtype, []).append(k)
+        spans, end = [], 0
+        for dtype, ks in regions.items():
+            layout: list[torch.Tensor] = []  # each tensor, then the padding to the next aligned offset
+            at: list[int] = []  # where each tensor is in ``layout``
+            for k in ks:
+                at.append(len(layout))
+                layout.append(members[k])
+                pad = aligned(members[k].nbytes) - members[k].nbytes
+                if pad:
+                    layout.append(_padding(pad // members[k].element_size(), dtype))
+            nbytes = sum(t.nbytes for t in layout)
+            spans.append((dtype, ks, layout, at, end, nbytes))
+            end += nbytes
         dev = torch.empty(end, dtype=torch.uint8, device=device)
-        for i, t, off in zip(where, members, offsets, strict=True):
-            outs[i] = dev[off : off + t.nbytes].view(t.dtype).view(t.shape)
+        for dtype, ks, layout, at, off, nbytes in spans:
+            views = _unflatten_dense_tensors(dev[off : off + nbytes].view(dtype), layout)
+            for k, j in zip(ks, at, strict=True):
+                outs[where[k]] = views[j]
 
         def job() -> None:
             host = self._empty(end)
-            host_views = [host[off : off + t.nbytes].view(t.dtype).view(t.shape)
-                          for t, off in zip(members, offsets, strict=True)]
-            torch._foreach_copy_(host_views, members)
+            for dtype, ks, layout, at, off, nbytes in spans:
+                views = _unflatten_dense_tensors(host[off : off + nbytes].view(dtype), layout)
+                torch._foreach_copy_([views[j] for j in at], [members[k] for k in ks])
             dev.copy_(host, non_blocking=True)
 
         return job
