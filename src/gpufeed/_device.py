@@ -261,6 +261,13 @@ class DeviceStage:
                 t.record_stream(stream)
         return item.batch
 
+    def drop(self, items: list[Any]) -> None:
+        """Let go of batches never handed over: the stream their tensors were allocated on waits on their
+        copies first, so the allocator cannot hand that memory to the loop while a copy still writes it."""
+        for item in items:
+            if type(item) is DeviceBatch and item.event is not None:
+                item.event.wait(item.stream)
+
     def gpu_busy(self) -> bool:
         """Whether the consumer's stream still runs work it queued (sampled a few times an epoch)."""
         mark = torch.cuda.Event()

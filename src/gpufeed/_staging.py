@@ -102,7 +102,7 @@ class Stager:
         ``ALIGN``-aligned offset (padding between them described by meta tensors), so that each region's
         views and copies are one torch call for all its tensors (``_unflatten_dense_tensors``,
         ``_foreach_copy_``, as DDP's gradient buckets do), not a few per tensor."""
-        if len(members) == 1:  # alone: pin_memory() allocates and copies in one call
+        if len(members) == 1:  # alone: pinned with one call that allocates and copies
             outs[where[0]] = torch.empty(members[0].shape, dtype=members[0].dtype, device=device)
             return functools.partial(self._send, members[0], outs[where[0]])
         regions: dict[torch.dtype, list[int]] = {}

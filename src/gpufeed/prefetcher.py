@@ -244,6 +244,8 @@ class _Epoch:
                 self.close("")
             raise
         if self._done:  # closed from another thread while this one read: this thread ends the iteration
+            self._stage.drop(list(self._ahead))
+            self._ahead.clear()
             self._finalizer()
             raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
         if type(item) is DeviceBatch:
@@ -312,7 +314,8 @@ class _Epoch:
         """End this epoch now: the loader's iterator closes, and the batches taken ahead are dropped."""
         self._done = True
         self._reason = reason
-        self._ahead.clear()
+        ahead, self._ahead = self._ahead, collections.deque()
+        self._stage.drop(list(ahead))
         if self._busy.acquire(blocking=False):  # (else the loop's thread is taking a batch: it sees _done)
             try:
                 self._finalizer()

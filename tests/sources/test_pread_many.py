@@ -331,7 +331,7 @@ def test_two_fields_in_two_files_land_in_their_own_memory(tmp_path):
 
 
 @native_only
-def test_a_cut_second_file_is_named_with_the_offset_of_its_own_read(tmp_path):
+def test_a_cut_second_file_is_named(tmp_path):
     a = np.zeros((100, 16), np.uint8)
     b = np.ones((100, 16), np.uint8)
     np.save(tmp_path / "a.npy", a), np.save(tmp_path / "b.npy", b)
@@ -339,10 +339,11 @@ def test_a_cut_second_file_is_named_with_the_offset_of_its_own_read(tmp_path):
         header = os.path.getsize(tmp_path / "b.npy") - b.nbytes
         os.truncate(tmp_path / "b.npy", header + 10 * 16)
         out = {"x": torch.empty((40, 16), dtype=torch.uint8)}
-        pending = src.submit(range(80, 120), out)  # 20 rows of a, then 20 of b: the second read is short
-        want = f"short read from {tmp_path / 'b.npy'}: expected 320 bytes at offset {header}, got 160"
-        with pytest.raises(OSError, match=re.escape(want)):
-            pending.result(timeout=10)
+        # 20 rows of a, then 20 of b, cut: the source sees the change before any read (its identity check;
+        # a cut between that check and the read gives the native reader's "short read", naming the file)
+        with pytest.raises(FileChangedError, match=re.escape(str(tmp_path / "b.npy"))):
+            src.submit(range(80, 120), out).result(timeout=10)
+        assert header > 0
 
 
 @native_only
@@ -408,10 +409,9 @@ def test_scattered_rows_over_two_files_and_two_fields_by_submit(tmp_path):
         header = os.path.getsize(tmp_path / "b.npy") - b.nbytes
         os.truncate(tmp_path / "b.npy", header + 10 * 16)
         out = {"x": torch.empty((3, 4), dtype=torch.int32), "y": torch.empty(3, dtype=torch.int64)}
-        pending = src.submit(np.array([3, 5, 120]), out)  # the third read (row 20 of b) is past its end
-        want = f"short read from {tmp_path / 'b.npy'}: expected 16 bytes at offset {header + 20 * 16}, got 0"
-        with pytest.raises(OSError, match=re.escape(want)):
-            pending.result(timeout=10)
+        with pytest.raises(FileChangedError, match=re.escape(str(tmp_path / "b.npy"))):  # (row 20 of b: cut)
+            src.submit(np.array([3, 5, 120]), out).result(timeout=10)
+        assert header > 0
 
 
 @native_only
