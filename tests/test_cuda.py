@@ -318,3 +318,21 @@ def test_slots_that_cannot_be_pinned_are_staged_with_one_warning(monkeypatch):
             assert all(torch.equal(x[:, 0], i.float()) for x, i in pf)
     assert sum("cannot pin" in str(w.message) for w in caught) == 1
     assert pf.stats.slot_batches == 48 and pf.stats.staged_bytes > 0 and not pf._arena._registered
+
+
+def test_batches_dropped_before_their_hand_over_never_write_into_reused_memory():
+    """An epoch broken off while its read-ahead's copies still wait on the copy stream: their device memory
+    goes back to the allocator, and the loop's next allocation may get it. The loop's stream waits on those
+    copies first, so a tensor the loop fills there is never overwritten by a late copy."""
+    data = [torch.full((1 << 22,), float(i + 1)).pin_memory() for i in range(8)]  # 16 MiB: the copy stream
+    pf = CudaPrefetcher(data, depth=3)
+    it = iter(pf)
+    next(it)
+    with torch.cuda.stream(pf._stage.stream):
+        torch.cuda._sleep(200_000_000)  # the copies issued from now on wait a while
+    next(it)  # takes one more batch, whose copy waits behind the sleep
+    it.close()  # dropped: batches 2-4, their copies still queued
+    fresh = [torch.zeros(1 << 22, device="cuda") for _ in range(4)]  # may reuse their blocks
+    torch.cuda.synchronize()
+    assert all(float(t.abs().max()) == 0.0 for t in fresh)
+    pf.close()
