@@ -1,4 +1,4 @@
-"""gpufeed.nodes.ToDevice in torchdata ``nodes`` pipelines, on the CPU (and CUDA through the device fixture)."""
+"""gpufeed.nodes.ToDevice in torchdata ``nodes`` pipelines, on the CPU (and CUDA, by the device fixture)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-tn = pytest.importorskip("torchdata.nodes", reason="torchdata >= 0.10 is not installed (pip install 'gpufeed[nodes]')")
+tn = pytest.importorskip("torchdata.nodes",
+                         reason="torchdata >= 0.10 is not installed (pip install 'gpufeed[nodes]')")
 
 from gpufeed import host_memory  # noqa: E402
 from gpufeed.nodes import ToDevice  # noqa: E402

@@ -1,4 +1,4 @@
-"""ToDevice: gpufeed's device stage as a torchdata ``nodes`` stage (needs ``pip install 'gpufeed[nodes]'``)."""
+"""ToDevice: gpufeed's device stage as a torchdata ``nodes`` stage (``pip install 'gpufeed[nodes]'``)."""
 
 from __future__ import annotations
 
