@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -309,6 +311,39 @@ def test_batches_arrive_on_the_loop_stream_in_order_under_a_slow_consumer():
                         for s in batch])
     torch.cuda.synchronize()
     assert same(want, got)
+
+
+# -- the recipe of docs/nodes.md -------------------------------------------------------------------------
+
+
+def _recipe() -> dict:
+    page = (Path(__file__).resolve().parents[1] / "docs" / "nodes.md").read_text()
+    (code,) = re.findall(r"```python\n# recipe: nodes\n(.*?)```", page, re.S)
+    ns: dict = {"__name__": "recipe_nodes"}
+    exec(compile(code, "docs/nodes.md", "exec"), ns)
+    return ns
+
+
+def test_the_docs_recipe_delivers_every_byte_and_resumes(device):
+    dataset = torch.utils.data.TensorDataset(torch.randn(50, 3), torch.arange(50))
+    nodes_loader = _recipe()["nodes_loader"]
+    loader = nodes_loader(dataset, 8, workers=2, device=device)
+    epochs = [list(loader) for _ in range(2)]
+    for batches in epochs:
+        assert [len(y) for _, y in batches] == [8] * 6 + [2]
+        assert all(x.device.type == device.type for x, _ in batches)
+        y = torch.cat([y for _, y in batches]).cpu()
+        assert sorted(y.tolist()) == list(range(50))  # every sample once
+        assert torch.equal(torch.cat([x for x, _ in batches]).cpu(), dataset.tensors[0][y])
+    assert not torch.equal(*(torch.cat([y for _, y in b]).cpu() for b in epochs))  # reshuffled each epoch
+    it = iter(loader)
+    head = take(it, 3)
+    state = loader.state_dict()
+    resumed = nodes_loader(dataset, 8, workers=2, device=device)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    ys = [y.cpu() for _, y in head + rest]
+    assert sorted(torch.cat(ys).tolist()) == list(range(50)) and len(rest) == 4
 
 
 # -- the optional extra ----------------------------------------------------------------------------------
