@@ -17,14 +17,21 @@ What it measures: training steps per second (forward, loss, backward, Adam) afte
   host batches, ``--pool-mib`` of them, cycled), and ``dl{W}-pin{0,1}-pers{0,1}``: a DataLoader with W
   workers (``--workers``, 2 and 8), ``pin_memory`` and ``persistent_workers`` off or on, shuffled, over a
   TensorDataset-like map dataset (item i: row i % rows of a preallocated bank, collated by
-  ``default_collate``; ResNet's bank is one batch of 64 images, so its workers keep up);
+  ``default_collate``; ResNet's bank is one batch of 64 images, so its workers keep up); and, where
+  torchdata >= 0.10 is installed, ``nodes{W}``: a torchdata ``nodes`` pipeline over the same data set
+  (``IterableWrapper`` over its shuffled indices -> ``ParallelMapper``, W threads, fetching samples ->
+  ``Batcher`` -> ``Mapper(default_collate)``), made iterable by a ``Loader``;
 * methods (``--methods``): ``to`` (``.to(device)``), ``pin_nb`` (``pin_memory()`` +
   ``.to(non_blocking=True)``; on a ``pin_memory=True`` DataLoader just the non-blocking copy, called
   ``dl_pin_nb``), ``torchtnt`` (torchtnt's ``CudaDataPrefetcher``: the next batch copied one ahead on a
   side stream, ``record_stream``), ``spdl`` (SPDL's transfer thread: pins and copies on its own stream,
   2 batches queued), ``gpufeed`` (``for b in CudaPrefetcher(loader)``, one prefetcher per (step, feed),
   iterated again every round as across epochs) and ``ideal`` (feed ``resident``: one batch already in
-  VRAM, reused; always measured, first in each step).
+  VRAM, reused; always measured, first in each step). The ``nodes`` feeds run their own methods, each
+  ending the pipeline as torchdata's docs do: ``nodes_pin_nb`` (``PinMemory`` -> ``Prefetcher``, then
+  ``.to(non_blocking=True)`` after the ``Loader``), ``nodes_to`` (``Prefetcher``, then ``.to()``) and
+  ``todevice`` (``Prefetcher`` -> gpufeed's ``ToDevice``: collation stays off the loop's thread, as
+  in the other two), one ``Loader`` per (step, feed) iterated again every round.
 
 Timing: the ideal's windows last ``--seconds`` (at least the step's minimum of steps, 20; ResNet's 6); its
 median rate sizes every other window: an epoch of ``warm-up + N`` batches, ``N = --seconds x ideal rate``
@@ -37,9 +44,9 @@ steps/s, and min and max. Without CUDA (``--smoke``) gpufeed runs its CPU path a
 degrade to plain loops.
 
 Results: ``loops-<card>.json`` (``rows``: step, feed, method, steps_per_s, min, max, ...), ``.md`` (a table
-per step, then the targets: gpufeed >= 0.98x the best peer in every feed; >= 0.95x the ideal wherever a peer
-reaches 0.9x of it; ResNet >= 0.97x the ideal with 8 workers) and ``.png`` (each row's steps/s over the
-ideal's).
+per step, then the targets: gpufeed (``todevice`` in the nodes feeds) >= 0.98x the best peer in every
+feed; >= 0.95x the ideal wherever a peer reaches 0.9x of it; ResNet >= 0.97x the ideal with 8 workers)
+and ``.png`` (each row's steps/s over the ideal's).
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -62,7 +69,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common and bench_grid, also when loaded by a test
 from _common import card_name, pick_device, run_info, save_results, targets_table
@@ -76,8 +83,11 @@ from gpufeed import CudaPrefetcher
 
 MiB = 1 << 20
 STEPS = ("mlp", "token", "cnn", "resnet")
-METHODS = ("to", "pin_nb", "dl_pin_nb", "torchtnt", "spdl", "gpufeed", "ideal")
-PEERS = ("to", "pin_nb", "dl_pin_nb", "torchtnt", "spdl")
+METHODS = ("to", "pin_nb", "dl_pin_nb", "torchtnt", "spdl", "nodes_to", "nodes_pin_nb", "gpufeed", "todevice",
+           "ideal")
+PEERS = ("to", "pin_nb", "dl_pin_nb", "torchtnt", "spdl", "nodes_to", "nodes_pin_nb")
+GPUFEED = ("gpufeed", "todevice")  # gpufeed's row of a feed: CudaPrefetcher, or ToDevice in a nodes pipeline
+NODES_METHODS = ("nodes_to", "nodes_pin_nb", "todevice")  # the methods of the nodes feeds (and only theirs)
 _END = object()
 SLOW_CAP = 2.0  # a window is cut after this many --seconds (a method under half the ideal's rate)
 MAX_STEPS = 2000  # timed steps an epoch at most
@@ -358,8 +368,9 @@ def dataloader(data: StepData, workers: int, pin: bool, persistent: bool) -> Dat
 class Feed:
     """How one feed makes a fresh source of a step's batches (one per method)."""
 
-    make: Callable[[StepData], Iterable[Any]]
+    make: Callable[[StepData], Any]  # an iterable of batches; for a nodes feed, a function making its head
     loader_pins: bool = False  # its batches come pinned from a pin_memory=True loader: pin_nb is dl_pin_nb
+    nodes: bool = False  # a torchdata nodes pipeline: its own methods (NODES_METHODS) end it
 
 
 def feed_table(workers: tuple[int, ...]) -> dict[str, Feed]:
@@ -374,13 +385,37 @@ def feed_table(workers: tuple[int, ...]) -> dict[str, Feed]:
     for w, pin, pers in itertools.product(workers, (0, 1), (0, 1)):
         feeds[f"dl{w}-pin{pin}-pers{pers}"] = Feed(
             partial(dataloader, workers=w, pin=bool(pin), persistent=bool(pers)), loader_pins=bool(pin))
+    if _has_torchdata_nodes():
+        for w in workers:
+            feeds[f"nodes{w}"] = Feed(partial(nodes_head, workers=w), nodes=True)
     return feeds
 
 
+def nodes_head(data: StepData, workers: int) -> Callable[[], Any]:
+    """A function making the head of a torchdata nodes pipeline over the step's data set: its shuffled
+    indices -> ``ParallelMapper`` (``workers`` threads fetch the samples) -> ``Batcher`` -> collate. Each
+    method ends it its own way (``Runner``)."""
+    from torchdata import nodes
+
+    dataset = data.dataset()
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def head() -> Any:
+        node = nodes.ParallelMapper(nodes.IterableWrapper(order), dataset.__getitem__, num_workers=workers,
+                                    method="thread")
+        node = nodes.Batcher(node, batch_size=data.spec.batch, drop_last=True)
+        return nodes.Mapper(node, default_collate)
+
+    return head
+
+
 def methods_for(feed: Feed, cfg: Config) -> list[str]:
-    """The methods a feed runs: ``dl_pin_nb`` replaces ``pin_nb`` where the loader pins."""
+    """The methods a feed runs: ``dl_pin_nb`` replaces ``pin_nb`` where the loader pins; a nodes feed runs
+    the nodes methods, and only it does."""
+    if feed.nodes:
+        return [m for m in cfg.methods if m in NODES_METHODS]
     skip = "pin_nb" if feed.loader_pins else "dl_pin_nb"
-    return [m for m in cfg.methods if m not in ("ideal", skip)]
+    return [m for m in cfg.methods if m not in ("ideal", skip, *NODES_METHODS)]
 
 
 # -- the methods -------------------------------------------------------------------------------------------
@@ -389,13 +424,15 @@ def methods_for(feed: Feed, cfg: Config) -> list[str]:
 class Runner:
     """One method over one feed's source: made once per (step, feed), one epoch per round."""
 
-    def __init__(self, method: str, source: Iterable[Any], device: torch.device) -> None:
+    def __init__(self, method: str, source: Any, device: torch.device) -> None:
         self.method, self.source, self.device = method, source, device
         self.keep: Any = None  # what a user makes once and iterates every epoch
         if method == "gpufeed":
             self.keep = CudaPrefetcher(source, device=device)
         elif method == "spdl":
             self.keep = SpdlTransfer(source, device, pin=True)
+        elif method in NODES_METHODS:
+            self.keep = nodes_loader(method, source(), device)
 
     def epoch(self) -> Iterator[Any]:
         dev, src, cuda = self.device, self.source, self.device.type == "cuda"
@@ -407,6 +444,10 @@ class Runner:
             return (to_device(b, dev, non_blocking=True) for b in src)
         if self.method == "torchtnt":  # it makes a new side stream at every iter(), as torchtnt's does
             return iter(TntPrefetcher(src, dev, num_prefetch_batches=1))
+        if self.method == "nodes_to":
+            return (to_device(b, dev) for b in self.keep)
+        if self.method == "nodes_pin_nb":
+            return (to_device(b, dev, non_blocking=True) for b in self.keep)
         return iter(self.keep)
 
     def end(self, it: Iterator[Any]) -> None:
@@ -418,8 +459,26 @@ class Runner:
             close()
 
     def close(self) -> None:
-        if self.keep is not None:
+        if self.method in NODES_METHODS:  # (a Loader has no close: its nodes' threads end once collected)
+            self.keep = None
+        elif self.keep is not None:
             self.keep.close()
+
+
+def nodes_loader(method: str, head: Any, device: torch.device) -> Any:
+    """The ``Loader`` of a nodes method: the pipeline's head ended as torchdata's docs end one (a
+    ``Prefetcher`` last, after ``PinMemory`` where the loop copies with ``non_blocking``), or by
+    ``ToDevice`` behind the same ``Prefetcher``."""
+    from torchdata import nodes
+
+    if method == "nodes_pin_nb" and device.type == "cuda":  # (PinMemory needs CUDA)
+        head = nodes.PinMemory(head)
+    node = nodes.Prefetcher(head, prefetch_factor=2)
+    if method == "todevice":
+        from gpufeed.nodes import ToDevice
+
+        node = ToDevice(node, device=device)
+    return nodes.Loader(node)
 
 
 # -- timing ------------------------------------------------------------------------------------------------
@@ -561,7 +620,7 @@ def compare(rows: list[dict[str, Any]]) -> None:
         peers = [r for r in group if r["method"] in PEERS and "error" not in r]
         best = max(peers, key=lambda r: r["steps_per_s"], default=None)
         for r in group:
-            if r["method"] == "gpufeed" and "error" not in r and best is not None:
+            if r["method"] in GPUFEED and "error" not in r and best is not None:
                 r["best_peer"], r["vs_best_peer"] = best["method"], r["steps_per_s"] / best["steps_per_s"]
                 r["best_peer_of_ideal"] = best["of_ideal"]
 
@@ -572,8 +631,8 @@ def run(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
     specs = step_specs(cfg.smoke)
     rows: list[dict[str, Any]] = []
     notes: list[str] = [] if cfg.cuda else [
-        "no CUDA: list-pinned and the pin1 loaders hold pageable memory; gpufeed runs its CPU path, and the "
-        "peers' side streams are plain loops"]
+        "no CUDA: list-pinned and the pin1 loaders hold pageable memory; gpufeed runs its CPU path, the "
+        "peers' side streams are plain loops, and nodes_pin_nb has no PinMemory (it needs CUDA)"]
     t0 = time.perf_counter()
     for name in cfg.steps:
         if name == "resnet" and not _has_torchvision():
@@ -599,6 +658,14 @@ def run(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
     return doc
 
 
+def _has_torchdata_nodes() -> bool:
+    try:
+        import torchdata.nodes  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _has_torchvision() -> bool:
     try:
         import torchvision  # noqa: F401
@@ -615,7 +682,7 @@ def check_targets(rows: list[dict[str, Any]], most_workers: int) -> list[dict[st
     0.9x of it; for ResNet, >= 0.97x the ideal in the feeds with the most workers."""
     targets = []
     for step in dict.fromkeys(r["step"] for r in rows):
-        feeds = [r for r in rows if r["step"] == step and r["method"] == "gpufeed"]
+        feeds = [r for r in rows if r["step"] == step and r["method"] in GPUFEED]
         near = [r for r in feeds if r.get("best_peer_of_ideal", 0.0) >= 0.9 or "error" in r]
         targets.append(_target(f"{step}: gpufeed >= 0.98x the best peer in every feed", feeds,
                                "vs_best_peer", 0.98))
@@ -674,7 +741,7 @@ def _step_table(step: str, what: str, rows: list[dict[str, Any]]) -> list[str]:
         by = {r["method"]: r for r in rows if r["feed"] == feed}
         cells = ["err" if "error" in by.get(m, {}) else _f(by.get(m, {}).get("steps_per_s"), ".1f")
                  for m in methods]
-        gf = by.get("gpufeed", {})
+        gf = next((by[m] for m in GPUFEED if m in by), {})
         lines.append(f"| {feed} | " + " | ".join(cells) + f" | {gf.get('best_peer', '-')} | "
                      f"{_f(gf.get('vs_best_peer'), '.3f')} | {_f(gf.get('of_ideal'), '.3f')} | "
                      f"{_f(gf.get('best_peer_of_ideal'), '.3f')} |")
@@ -690,8 +757,9 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
     steps = list(dict.fromkeys(r["step"] for r in doc["rows"]))
     fig, axes = plt.subplots(max(1, len(steps)), 1, figsize=(13, 3.4 * max(1, len(steps))), squeeze=False)
-    series = {"to": ("to",), "pin_nb / dl_pin_nb": ("pin_nb", "dl_pin_nb"), "torchtnt": ("torchtnt",),
-              "spdl": ("spdl",), "gpufeed": ("gpufeed",)}
+    series = {"to / nodes_to": ("to", "nodes_to"),
+              "pin_nb / dl_pin_nb / nodes_pin_nb": ("pin_nb", "dl_pin_nb", "nodes_pin_nb"),
+              "torchtnt": ("torchtnt",), "spdl": ("spdl",), "gpufeed / todevice": ("gpufeed", "todevice")}
     colors = ("tab:gray", "tab:blue", "tab:orange", "tab:purple", "tab:green")
     for ax, step in zip(axes[:, 0], steps, strict=False):
         rows = [r for r in doc["rows"] if r["step"] == step and r["method"] != "ideal" and "error" not in r]

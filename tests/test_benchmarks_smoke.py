@@ -133,12 +133,17 @@ def test_bench_loops_smoke(tmp_path: Path) -> None:
         rows = [r for r in doc["rows"] if r["step"] == step]
         assert [(r["feed"], r["method"]) for r in rows if r["method"] == "ideal"] == [("resident", "ideal")]
         feeds = {r["feed"] for r in rows} - {"resident"}
+        nodes = importlib.util.find_spec("torchdata") and importlib.util.find_spec("torchdata.nodes")
         assert {"list-pageable", "list-pinned", "dl1-pin0-pers0", "dl1-pin1-pers1"} <= feeds
+        assert ("nodes1" in feeds) == bool(nodes)
         for feed in feeds:
             methods = {r["method"] for r in rows if r["feed"] == feed}
             pin_nb = "dl_pin_nb" if "-pin1-" in feed else "pin_nb"
-            assert methods == {"to", pin_nb, "torchtnt", "spdl", "gpufeed"}, (step, feed, methods)
-        gf = [r for r in rows if r["method"] == "gpufeed"]
-        assert all(r["best_peer"] in ("to", "pin_nb", "dl_pin_nb", "torchtnt", "spdl") for r in gf)
+            want = ({"nodes_to", "nodes_pin_nb", "todevice"} if feed.startswith("nodes")
+                    else {"to", pin_nb, "torchtnt", "spdl", "gpufeed"})
+            assert methods == want, (step, feed, methods)
+        gf = [r for r in rows if r["method"] in ("gpufeed", "todevice")]
+        assert all(r["best_peer"] in ("to", "pin_nb", "dl_pin_nb", "torchtnt", "spdl", "nodes_to",
+                                      "nodes_pin_nb") for r in gf)
         assert all(r["vs_best_peer"] > 0 and r["of_ideal"] > 0 for r in gf)
     assert doc["targets"] and all({"target", "value", "met"} <= t.keys() for t in doc["targets"])

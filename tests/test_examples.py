@@ -27,7 +27,7 @@ def _load(name: str) -> ModuleType:
 def test_every_example_is_tested():
     assert sorted(p.stem for p in EXAMPLES.glob("*.py")) == [
         "accelerate_launch", "cuda_graphs", "ddp", "gds_raw", "hdf5_to_gpu", "lightning_datamodule",
-        "lightning_resume", "quickstart"]
+        "lightning_resume", "quickstart", "torchdata_nodes"]
     # ddp.py runs under torchrun in tests/test_distributed.py; lightning_resume.py in tests/test_lightning.py;
     # accelerate_launch.py in tests/integrations/test_accelerate_launch.py.
 
@@ -67,6 +67,24 @@ def test_quickstart(capsys):
     assert losses[0] > losses[1] > losses[2], losses  # the labels are learnable: the loss goes down
     assert out[3].startswith(("[ok] 6 batches", "[INPUT-BOUND] 6 batches"))
     assert out[4] == "trained on 1536 samples on cpu"
+
+
+def test_torchdata_nodes(capsys):
+    pytest.importorskip("torchdata.nodes", reason="torchdata >= 0.10 is not installed")
+    assert _load("torchdata_nodes").main(["--smoke"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("epoch 0: loss ") and out[0].endswith(", each sample once: True")
+    assert out[1].startswith("epoch 1: loss ") and out[1].endswith(", each sample once: True")
+    assert out[2].startswith(("[ok] 25 batches", "[INPUT-BOUND] 25 batches"))  # 2 x 10 + 5
+    assert out[3] == "epoch 2: checkpointed after 5 batches, resumed: each sample once: True"
+    assert out[4] == "trained on 1800 samples on cpu"
+
+
+def test_torchdata_nodes_without_torchdata_says_so(capsys, monkeypatch):
+    module = _load("torchdata_nodes")
+    monkeypatch.setattr(module, "nodes", None)
+    assert module.main(["--smoke"]) == 0
+    assert capsys.readouterr().out == "this example needs torchdata >= 0.10: pip install 'gpufeed[nodes]'\n"
 
 
 def test_hdf5_to_gpu(capsys):

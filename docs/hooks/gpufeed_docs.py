@@ -21,6 +21,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 API: list[tuple[str, list[str]]] = [
     ("Prefetcher", ["gpufeed.CudaPrefetcher", "gpufeed.PrefetchStats", "gpufeed.StaticBatch"]),
     ("Loading from a source", ["gpufeed.SourceLoader"]),
+    ("torchdata nodes", ["gpufeed.nodes.ToDevice"]),
     ("Sources", ["gpufeed.BatchSource", "gpufeed.Field", "gpufeed.sources.RawSource",
                  "gpufeed.sources.H5Source", "gpufeed.sources.GDSSource", "gpufeed.sources.plan_batches"]),
     ("Conversion", ["gpufeed.convert.convert_h5_to_raw"]),

@@ -11,6 +11,7 @@ _EXTRA_OF = {
     "cupy": "gds",
     "nvtx": "nvtx",
     "torchdata": "resume",
+    "torchdata.nodes": "nodes",  # (torchdata >= 0.10: gpufeed.nodes)
     "matplotlib": "dev",
     "nvidia.libnvcomp": "nvcomp",  # a namespace package: looked up by its full name
 }
