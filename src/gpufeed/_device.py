@@ -20,6 +20,9 @@ from gpufeed._tree import flatten
 from gpufeed.host_memory import HostBatch, PinnedUnavailable, warn_pageable
 from gpufeed.stats import PrefetchStats
 
+#: The batches of an epoch on which the loop's stream is sampled for work still running when the loop asks
+#: for a batch (``PrefetchStats.gpu_busy``): after the start-up, before the end.
+SAMPLED = (2, 3)
 #: One batch in this many has its copies timed with CUDA events (``PrefetchStats.copy_s``): a timed batch
 #: costs two more events, and a rate needs only a sample.
 TIME_EVERY = 16
@@ -372,3 +375,24 @@ class _Streams:
 def _setter(stream: torch.cuda.Stream) -> Callable[[], None]:
     return functools.partial(torch._C._cuda_setStream, stream_id=stream.stream_id,
                              device_index=stream.device_index, device_type=stream.device_type)
+
+
+def resolve_device(device: torch.device | str | int | None) -> torch.device:
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asks for CUDA, but CUDA is not available; use device='cpu'")
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        return torch.device("cuda", index)
+    if dev.type != "cpu":
+        raise ValueError(f"device must be a CUDA device or 'cpu', got {device!r}")
+    return dev

@@ -9,11 +9,10 @@ from typing import Any
 
 import torch
 
-from gpufeed._device import DeviceBatch, DeviceStage
+from gpufeed._device import SAMPLED, DeviceBatch, DeviceStage, resolve_device
 from gpufeed._extras import require
 from gpufeed._threads import Failure
 from gpufeed.host_memory import HostBatch
-from gpufeed.prefetcher import _SAMPLED, _resolve_device
 from gpufeed.stats import PrefetchStats
 
 _nodes = require("torchdata.nodes", "gpufeed.nodes (ToDevice)")
@@ -81,7 +80,7 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
         if transform is not None and not callable(transform):
             raise ValueError(f"transform must be callable, got {type(transform).__name__}")
         self.source = source_node
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         self.depth = depth
         self.transform = transform
         self.stats = PrefetchStats()
@@ -117,7 +116,7 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
         if type(item) is not DeviceBatch:
             item.reraise()  # (the upstream's failure, now that the batches before it were handed out)
         self._handed += 1
-        if self._handed in _SAMPLED and self._stage.cuda:
+        if self._handed in SAMPLED and self._stage.cuda:
             self.stats.gpu_busy |= self._stage.gpu_busy()
         batch = self._stage.hand_over(item)
         self._state = item.state
@@ -143,13 +142,9 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
             self._ended = True
 
     def _drop(self) -> None:
-        """Drop the batches in flight. Their device memory goes back to the caching allocator on your
-        stream, so your stream first waits on their copies (a hand-over to nobody), as for a batch you
-        hold: a later allocation there cannot be overwritten by a copy still in flight."""
+        """Drop the batches in flight (``DeviceStage.drop``: their memory's stream waits on their copies)."""
         ahead, self._ahead = self._ahead, collections.deque()
-        for item in ahead:
-            if type(item) is DeviceBatch:
-                self._stage.hand_over(item)
+        self._stage.drop(list(ahead))
 
     def _account(self, t0: float) -> None:
         """The time since ``t0`` as your loop's wait, or as start-up for an epoch's first batch."""

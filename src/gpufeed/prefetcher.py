@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from gpufeed import _nvtx
-from gpufeed._device import DeviceBatch, DeviceStage
+from gpufeed._device import SAMPLED, DeviceBatch, DeviceStage, resolve_device
 from gpufeed._static import StaticBuffers
 from gpufeed._threads import Failure
 from gpufeed._tracing import TraceRecorder
@@ -25,9 +25,6 @@ from gpufeed.loaders.source_loader import SourceLoader
 from gpufeed.stats import PrefetchStats
 
 _LIVE: weakref.WeakSet[CudaPrefetcher] = weakref.WeakSet()
-#: The epoch's batches on which the prefetcher samples whether the loop's GPU work still ran when it asked
-#: (``PrefetchStats.gpu_busy``): after the start-up, before the end.
-_SAMPLED = (2, 3)
 
 
 class CudaPrefetcher:
@@ -84,7 +81,7 @@ class CudaPrefetcher:
             raise ValueError(f"depth must be an int >= 1 (batches prefetched ahead), got {depth!r}")
         if transform is not None and not callable(transform):
             raise ValueError(f"transform must be callable, got {type(transform).__name__}")
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         self.depth = depth
         self.transform = transform
         self.stats = PrefetchStats()
@@ -287,7 +284,7 @@ class _Epoch:
         if self._handed == 0:  # an epoch counts once it hands out a batch (not a probing iter())
             pf._loader.epoch_started()
         self._handed += 1
-        if self._handed in _SAMPLED and self._stage.cuda:
+        if self._handed in SAMPLED and self._stage.cuda:
             self._stats.gpu_busy |= self._stage.gpu_busy()
         batch = self._stage.hand_over(item)
         if pf._static is not None:
@@ -362,27 +359,6 @@ def _worker_arena(asked: bool | None, loader: Any, adapter: Any, cuda: bool, dep
         raise ValueError(f"worker_slots=True: the workers of a DataLoader (num_workers > 0) collate into the "
                          f"slots, and {what} has none; leave worker_slots unset")
     return WorkerArena(pin=cuda, depth=depth, stats=stats)
-
-
-def _resolve_device(device: torch.device | str | int | None) -> torch.device:
-    if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}") from exc
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} asks for CUDA, but CUDA is not available; use device='cpu'")
-        index = torch.cuda.current_device() if dev.index is None else dev.index
-        if index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
-        return torch.device("cuda", index)
-    if dev.type != "cpu":
-        raise ValueError(f"device must be a CUDA device or 'cpu', got {device!r}")
-    return dev
 
 
 #: Arguments that batch, shuffle, shard or read: they belong to the loader a prefetcher wraps.
