@@ -1,5 +1,5 @@
-"""The verdict of :class:`~gpufeed.PrefetchStats`: whether data costs the loop a share of its time worth acting
-on, and the one next step that would help (docs/design.md, "The verdict").
+"""The verdict of :class:`~gpufeed.PrefetchStats`: whether data costs the loop a share of its time worth
+acting on, and the one next step that would help (docs/design.md, "The verdict").
 
 The thresholds below are judgement calls, each argued in docs/design.md; nothing here is tuned to a card.
 """

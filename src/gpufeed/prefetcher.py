@@ -43,8 +43,8 @@ class CudaPrefetcher:
     slow runs where it runs without gpufeed: a DataLoader's workers collate (into pinned shared memory,
     ``worker_slots``), a SourceLoader's threads read; the loop's thread only issues copies. Re-iterate it
     for each epoch; ``len``, ``set_epoch`` and ``state_dict`` behave as a DataLoader's. ``pf.stats`` (a
-    :class:`~gpufeed.PrefetchStats`) says whether the GPU waited for data, and what to do. Without CUDA (or with
-    ``device="cpu"``) the same class runs on the CPU, without streams.
+    :class:`~gpufeed.PrefetchStats`) says whether the GPU waited for data, and what to do. Without CUDA
+    (or with ``device="cpu"``) the same class runs on the CPU, without streams.
 
     Example:
         >>> loader = [{"x": torch.arange(4)}, {"x": torch.arange(4, 8)}]
@@ -388,6 +388,8 @@ def _describe(loader: Any) -> dict[str, Any]:
         return {"loader": "SourceLoader"}
     if isinstance(getattr(loader, "num_workers", None), int):
         return {"loader": "DataLoader", "num_workers": loader.num_workers}
+    if callable(loader) and not isinstance(loader, collections.abc.Iterable):
+        return {"loader": "factory"}  # (called each epoch: what it returns is not known yet)
     return {"loader": type(loader).__name__}
 
 

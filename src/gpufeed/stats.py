@@ -180,7 +180,7 @@ class PrefetchStats:
         ``verdict``, ``reason``, ``next_step`` and ``timeline``; drop the strings to log the rest with
         Lightning's ``self.log_dict`` or TensorBoard)."""
         self._update()
-        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name[0] != "_"}
         d.update(self._figures())
         return d
 
