@@ -167,14 +167,18 @@ class _Clock:
     def __init__(self):
         self.now = 0.0
         self.at = 0.0
+        self.calls = {"record": 0, "query": 0, "elapsed": 0}
 
     def record(self, event, stream):
+        self.calls["record"] += 1
         event.t = self.at
 
     def query(self, event):
+        self.calls["query"] += 1
         return event.t <= self.now
 
     def elapsed(self, a, b):
+        self.calls["elapsed"] += 1
         return (b.t - a.t) * 1e3
 
 
@@ -219,6 +223,19 @@ def test_gpu_bound_steps_wait_for_nothing(clock):
     assert stats.waited_batches == 18 and stats.waited_s == pytest.approx(0.0)
     assert stats.span_s == pytest.approx(0.18)  # the second step's start to the last's
     assert stats.step_us == pytest.approx(10_000) and stats.verdict().label == "ok"
+
+
+def test_a_gpu_bound_batch_costs_one_event_and_three_queries(clock):
+    """The GPU two steps behind, every copy done by its hand-over: no elapsed time is read a batch."""
+    stats = PrefetchStats(device="cuda")
+    meter = starvation.GpuWaits(stats)
+    meter.new_epoch()
+    for k in range(1, 101):
+        _batch(meter, clock, asked=0.01 * k, handed=0.01 * k, copied=-1.0, gpu_now=0.01 * (k - 2))
+    assert clock.calls["record"] == 100 and clock.calls["query"] <= 300 and clock.calls["elapsed"] == 0
+    assert stats.waited_batches == 96 and stats.waited_s == 0.0  # (two behind, one the span's start)
+    meter.refresh()
+    assert clock.calls["elapsed"] == 1 and stats.span_s == pytest.approx(0.96)  # (97th: the GPU is at 98)
 
 
 def test_gpu_idle_while_the_loader_fetches_is_the_loader_s(clock):

@@ -22,7 +22,7 @@ _COLLECT, _BACKLOG = 1, 16
 class _Pending(NamedTuple):
     asked: Any  # timing event on the loop's stream, recorded when next() started
     handed: Any  # timing event there at the hand-over, or None where ``asked`` had not completed by then
-    copied: Any  # the batch's copy event (timing), or None for a batch copied on the loop's stream
+    copied: Any  # the batch's copy event, or None where it had completed by the hand-over (or there is none)
     stream: Any  # the loop's stream
     epoch: int
     fetch: float  # shares of the thread's time in that next(): the loader's next(), staging
@@ -45,7 +45,10 @@ class GpuWaits:
       issuing copies; split between them as the thread's time was in that ``next()``;
     * the rest, ``copied`` past ``handed``: the copy (and ``transform``) not done when the stream was ready.
 
-    A batch copied on the loop's own stream has no ``copied``: its copy runs on the loop's stream between
+    A copy complete at the hand-over completed before both ``handed`` and an ``asked`` still pending then:
+    it is dropped there, so the GPU-bound loop's batch costs one event and three queries, and no elapsed
+    time is read but the span's. A batch copied on the loop's own stream has no ``copied``: its copy runs
+    on the loop's stream between
     the ``asked`` of the call that issued it and the step, so a call that issued one records ``handed``
     and the stream's time on the copy is in its ``handed - asked``.
 
@@ -87,6 +90,8 @@ class GpuWaits:
             return
         asked, (t0, fetch0, stage0) = self._asked
         self._asked = None
+        if copied is not None and _query(copied):  # done before the stream could be ready: no copy wait
+            copied = None
         handed = None
         if self.inline or _query(asked):
             handed = self._take()

@@ -221,12 +221,12 @@ class PrefetchStats:
                 + (f"; waits: {stages}" if stages else "") + ")")
 
     def _moved_phrase(self, f: dict[str, Any]) -> str:
-        out = [f"{self.batches} batches, {self.bytes / 1e9:.2f} GB, {_rate(f['throughput_GBps'])} GB/s "
+        out = [f"{self.batches} batches, {self.bytes / 1e9:.2f} GB, {_rate(f['throughput_GBps'])} "
                f"delivered, start-up {self.startup_s:.2f}s, fetch {self.fetch_s:.2f}s"]
         if self.stage_s > 0:
-            out.append(f"stage {self.stage_s:.2f}s ({_rate(f['stage_GBps'])} GB/s)")
+            out.append(f"stage {self.stage_s:.2f}s ({_rate(f['stage_GBps'])})")
         if self.copy_s > 0:
-            out.append(f"H2D {_rate(f['h2d_GBps'])} GB/s (timed batches)")
+            out.append(f"H2D {_rate(f['h2d_GBps'])} (timed batches)")
         if self.slot_batches:
             out.append(f"{self.slot_batches} collated into pinned slots")
         if self.loop_stream_batches:
@@ -238,5 +238,5 @@ class PrefetchStats:
 
 
 def _rate(gbps: float) -> str:
-    """A rate with two significant digits below 1 GB/s (a small run's ``0.04``, not ``0.0``)."""
-    return f"{gbps:.1f}" if gbps >= 1 else f"{gbps:.2g}"
+    """A rate in GB/s, or in MB/s below 1 GB/s (a small run's ``40 MB/s``, not ``0.0 GB/s``)."""
+    return f"{gbps:.1f} GB/s" if gbps >= 1 else f"{gbps * 1e3:.2g} MB/s"
