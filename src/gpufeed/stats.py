@@ -239,4 +239,7 @@ class PrefetchStats:
 
 def _rate(gbps: float) -> str:
     """A rate in GB/s, or in MB/s below 1 GB/s (a small run's ``40 MB/s``, not ``0.0 GB/s``)."""
-    return f"{gbps:.1f} GB/s" if gbps >= 1 else f"{gbps * 1e3:.2g} MB/s"
+    if gbps >= 1:
+        return f"{gbps:.1f} GB/s"
+    mbps = gbps * 1e3
+    return f"{mbps:.0f} MB/s" if mbps >= 10 else f"{mbps:.2g} MB/s"
