@@ -7,10 +7,10 @@ The thresholds below are judgement calls, each argued in docs/design.md; nothing
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
-if TYPE_CHECKING:
-    from gpufeed.stats import PrefetchStats
+# The functions below read a gpufeed.PrefetchStats (typed Any: stats.py imports this module, not back).
+PrefetchStats = Any
 
 #: Input-bound from this share of the timeline spent waiting for data: removing every wait would speed the
 #: loop up by 1 / (1 - 0.10) = 1.11x at most, and below that the gain is within two or three times the
