@@ -272,6 +272,24 @@ def test_a_copy_not_done_when_the_stream_is_ready_is_the_copy_s(clock):
     assert stats.wait_shares()["copy"] == pytest.approx(1.0) and stats.input_bound
 
 
+def test_the_call_that_finds_the_end_pairs_with_no_batch_of_the_next_epoch(clock):
+    """The last next() of an epoch records ``asked`` and hands nothing over; the next epoch's first batch
+    (its start-up) is not measured against it (that would count the time between epochs)."""
+    stats = PrefetchStats(device="cuda")
+    meter = starvation.GpuWaits(stats)
+    meter.new_epoch()
+    for k in range(1, 12):
+        _batch(meter, clock, asked=0.01 * k, handed=0.01 * k, copied=-1.0, gpu_now=0.01 * k)
+    clock.at = 0.5
+    meter.asked("s", (time.perf_counter(), 0.0, 0.0))  # the call that finds the end
+    meter.new_epoch()
+    clock.at, clock.now = 60.0, 60.0  # a validation pass later: the next epoch's first hand-over
+    meter.handed("s", _Event(59.0))
+    assert [p.epoch for p in meter._pending] == [1]  # (one of the first epoch's, not yet read)
+    meter.close()
+    assert stats.waited_batches == 10 and stats.waited_s == 0.0 and stats.span_s == pytest.approx(0.1)
+
+
 def test_the_gpu_readings_wait_for_a_later_event_of_the_stream(clock):
     """On the loop's thread a batch is read once the next one's ``asked`` has completed: one query, and
     never a wait for the GPU."""

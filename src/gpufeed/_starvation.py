@@ -73,7 +73,12 @@ class GpuWaits:
         self._lock = threading.Lock()
 
     def new_epoch(self) -> None:
+        """An epoch starts: its first batch is its start-up, and the last call of the one before (which
+        found the end, and handed nothing over) pairs with no batch."""
         self._epoch += 1
+        if self._asked is not None:
+            self._free.append(self._asked[0])
+            self._asked = None
 
     def asked(self, stream: Any, mark: tuple[float, float, float]) -> None:
         """``next()`` started (``mark``: its time, and the stats' ``fetch_s`` and ``stage_s`` then)."""
