@@ -147,3 +147,21 @@ def test_bench_loops_smoke(tmp_path: Path) -> None:
                                       "nodes_pin_nb") for r in gf)
         assert all(r["vs_best_peer"] > 0 and r["of_ideal"] > 0 for r in gf)
     assert doc["targets"] and all({"target", "value", "met"} <= t.keys() for t in doc["targets"])
+
+
+def test_bench_verdict_smoke(tmp_path: Path) -> None:
+    bench = _load("bench_verdict")
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+
+    doc = json.loads((tmp_path / "verdict-cpu.json").read_text())
+    assert "| case | expected | verdict |" in (tmp_path / "verdict-cpu.md").read_text()
+    assert doc["card"] == "cpu" and doc["smoke"] is True and doc["truth_ratio"] == 0.9
+    assert [c["case"] for c in doc["cases"]] == list(bench.CASES)
+    for c in doc["cases"]:
+        assert {"case", "expected", "verdict", "match", "ratio", "steps_per_s", "resident_steps_per_s",
+                "starved_fraction", "summary", "stats"} <= c.keys()
+        assert c["expected"] in ("INPUT-BOUND", "ok", "no verdict") and c["ratio"] > 0
+        assert c["summary"].startswith(f"[{c['verdict']}")
+    empty = next(c for c in doc["cases"] if c["case"] == "empty")
+    assert empty["expected"] == "no verdict" and empty["match"], empty["summary"]
+    assert doc["cost"]["us_per_batch_measure_on"] > 0 and doc["cost"]["us_per_batch_measure_off"] > 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -16,13 +17,11 @@ import torch
 
 from gpufeed import _nvtx, host_memory
 from gpufeed._staging import Stager
+from gpufeed._starvation import GpuWaits
 from gpufeed._tree import flatten
 from gpufeed.host_memory import HostBatch, PinnedUnavailable, warn_pageable
 from gpufeed.stats import PrefetchStats
 
-#: The batches of an epoch on which the loop's stream is sampled for work still running when the loop asks
-#: for a batch (``PrefetchStats.gpu_busy``): after the start-up, before the end.
-SAMPLED = (2, 3)
 #: One batch in this many has its copies timed with CUDA events (``PrefetchStats.copy_s``): a timed batch
 #: costs two more events, and a rate needs only a sample.
 TIME_EVERY = 16
@@ -58,11 +57,14 @@ class DeviceStage:
     * A batch's host memory is leased: its lease is called with the event of the copies that read it
       right after they are issued, and the memory's owner reuses it only once that event completed.
 
+    * Measuring (``meter``), every batch's copy event is a timing event, and :meth:`hand_over` records
+      the meter's events on the consumer's stream before it waits (:class:`~gpufeed._starvation.GpuWaits`).
+
     Without CUDA the stage hands host batches over as they are (memory with a lease is copied out first).
     """
 
     def __init__(self, device: torch.device, transform: Callable[[Any], Any] | None,
-                 stats: PrefetchStats) -> None:
+                 stats: PrefetchStats, measure: bool = True) -> None:
         self.device = device
         self.transform = transform
         self.stats = stats
@@ -73,6 +75,9 @@ class DeviceStage:
         self.pinning = self.cuda  # pageable tensors are staged through pinned memory (until it fails)
         self._fence = torch.cuda.Event() if self.cuda else None
         self.costs = _Costs()
+        self.meter = GpuWaits(stats) if self.cuda and measure else None
+        if self.meter is not None:  # (weak: the meter holds the stats, and no cycle may hold CUDA objects)
+            stats._refresh = weakref.WeakMethod(self.meter.refresh)
         self._timed: list[tuple[Any, Any, int]] = []  # (start, end, bytes) of sampled batches in flight
         self._count = 0
 
@@ -172,6 +177,8 @@ class DeviceStage:
             end.record(consumer)
             hb.lease(end)
         self.stats.loop_stream_batches += 1
+        if self.meter is not None:
+            self.meter.inline = True
         fresh = [t for t in out if isinstance(t, torch.Tensor) and t.device == device]
         return DeviceBatch(batch, None, hb.state, consumer, fresh)
 
@@ -184,7 +191,7 @@ class DeviceStage:
         t0 = time.perf_counter()
         self._fence.record(consumer)
         timed = self.costs.timed(self._count)
-        end = torch.cuda.Event(enable_timing=timed)
+        end = torch.cuda.Event(enable_timing=timed or self.meter is not None)
         start = torch.cuda.Event(enable_timing=True) if timed else None
         device = streams.enter_copy()
         try:
@@ -248,11 +255,18 @@ class DeviceStage:
 
     # -- hand-over ---------------------------------------------------------------------------------
 
+    def asked(self, mark: tuple[float, float, float]) -> None:
+        """The loop asked for its next batch (``mark``: when, and ``fetch_s``, ``stage_s`` then)."""
+        if self.meter is not None:
+            self.meter.asked(self.streams.current(), mark)
+
     def hand_over(self, item: DeviceBatch) -> Any:
         """The batch, once the consumer's current stream waits on its copies."""
         if item.stream is None:  # (the CPU)
             return item.batch
         stream = self.streams.current()
+        if self.meter is not None:
+            self.meter.handed(stream, item.event)
         if item.event is not None:
             t0 = time.perf_counter()
             item.event.wait(stream)
@@ -271,17 +285,13 @@ class DeviceStage:
             if type(item) is DeviceBatch and item.event is not None:
                 item.event.wait(item.stream)
 
-    def gpu_busy(self) -> bool:
-        """Whether the consumer's stream still runs work it queued (sampled a few times an epoch)."""
-        mark = torch.cuda.Event()
-        mark.record(self.streams.current())
-        return not mark.query()
-
     def close(self) -> None:
         """Wait for the copies in flight (their host memory is then free)."""
         if self.stream is not None:
             self.stream.synchronize()
             self._collect_timing()
+        if self.meter is not None:
+            self.meter.close()
 
 
 class _Costs:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from gpufeed._device import SAMPLED, DeviceBatch, DeviceStage, resolve_device
+from gpufeed._device import DeviceBatch, DeviceStage, resolve_device
 from gpufeed._extras import require
 from gpufeed._threads import Failure
 from gpufeed.host_memory import HostBatch
@@ -106,7 +106,10 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
         self._last_t = None
 
     def next(self) -> Any:
-        t0 = time.perf_counter()
+        stats = self.stats
+        mark = (time.perf_counter(), stats.fetch_s, stats.stage_s)
+        if self._last_t is not None:  # (an epoch's first batch is its start-up: not judged)
+            self._stage.asked(mark)
         ahead = self._ahead
         if not self._ended and len(ahead) <= self.depth:
             self._fill()
@@ -116,11 +119,9 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
         if type(item) is not DeviceBatch:
             item.reraise()  # (the upstream's failure, now that the batches before it were handed out)
         self._handed += 1
-        if self._handed in SAMPLED and self._stage.cuda:
-            self.stats.gpu_busy |= self._stage.gpu_busy()
         batch = self._stage.hand_over(item)
         self._state = item.state
-        self._account(t0)
+        self._account(mark)
         return batch
 
     def get_state(self) -> dict[str, Any]:
@@ -146,14 +147,19 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
         ahead, self._ahead = self._ahead, collections.deque()
         self._stage.drop(list(ahead))
 
-    def _account(self, t0: float) -> None:
-        """The time since ``t0`` as your loop's wait, or as start-up for an epoch's first batch."""
+    def _account(self, mark: tuple[float, float, float]) -> None:
+        """The time since ``mark`` (its time, ``fetch_s`` and ``stage_s`` then) as your loop's wait, or as
+        start-up for an epoch's first batch; on the CPU, the verdict's wait too (as ``CudaPrefetcher``'s)."""
         now = time.perf_counter()
         stats = self.stats
+        t0 = mark[0]
         if self._last_t is None:
             stats.startup_s += now - t0
         else:
             stats.wait_s += now - t0
             stats.wall_s += now - self._last_t
+            if not self._stage.cuda:
+                stats.span_s += now - self._last_t
+                stats.waited(now - t0, fetch=stats.fetch_s - mark[1], stage=stats.stage_s - mark[2])
         self._last_t = now
         stats.batches += 1

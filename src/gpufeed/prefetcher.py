@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from gpufeed import _nvtx
-from gpufeed._device import SAMPLED, DeviceBatch, DeviceStage, resolve_device
+from gpufeed._device import DeviceBatch, DeviceStage, resolve_device
 from gpufeed._static import StaticBuffers
 from gpufeed._threads import Failure
 from gpufeed._tracing import TraceRecorder
@@ -43,8 +43,8 @@ class CudaPrefetcher:
     slow runs where it runs without gpufeed: a DataLoader's workers collate (into pinned shared memory,
     ``worker_slots``), a SourceLoader's threads read; the loop's thread only issues copies. Re-iterate it
     for each epoch; ``len``, ``set_epoch`` and ``state_dict`` behave as a DataLoader's. ``pf.stats`` (a
-    :class:`~gpufeed.PrefetchStats`) says whether the loop waited for data. Without CUDA (or with
-    ``device="cpu"``) the same class runs on the CPU, without streams.
+    :class:`~gpufeed.PrefetchStats`) says whether the GPU waited for data, and what to do. Without CUDA
+    (or with ``device="cpu"``) the same class runs on the CPU, without streams.
 
     Example:
         >>> loader = [{"x": torch.arange(4)}, {"x": torch.arange(4, 8)}]
@@ -66,6 +66,12 @@ class CudaPrefetcher:
             pinned once, so the main process copies none of its bytes. ``None`` (default): on for a
             DataLoader with workers (or a callable returning one) on CUDA; ``True`` also on the CPU, where
             the batch is copied out of its slot; ``False``: batches cross as the DataLoader sends them.
+        measure: time how long the GPU waited for each batch, for ``stats``' verdict (default ``True``):
+            one CUDA event a batch on the loop's stream (two where the GPU already ran dry), read batches
+            later. ``False``: no events, and no verdict (the counters still count). On the CPU the
+            verdict reads the loop thread's own waits, which cost nothing; ``False`` only drops the
+            verdict there. Not ``trace``: that records every stage for a trace file, off by default,
+            while the verdict is what ``stats.summary()`` is for.
 
     Invariants: batches reach the loop in the loader's order, each once, an error in its batch's place;
     at most ``depth`` batches are taken from the loader ahead of the one the loop holds; the stream and
@@ -74,17 +80,20 @@ class CudaPrefetcher:
 
     def __init__(self, loader: Any, device: torch.device | str | int | None = None, depth: int = 2,
                  transform: Callable[[Any], Any] | None = None, *, static: bool = False,
-                 trace: bool | None = None, worker_slots: bool | None = None, **unexpected: Any) -> None:
+                 trace: bool | None = None, worker_slots: bool | None = None, measure: bool = True,
+                 **unexpected: Any) -> None:
         if unexpected:
             raise TypeError(_unexpected_message(unexpected))
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
             raise ValueError(f"depth must be an int >= 1 (batches prefetched ahead), got {depth!r}")
         if transform is not None and not callable(transform):
             raise ValueError(f"transform must be callable, got {type(transform).__name__}")
+        if not isinstance(measure, bool):
+            raise ValueError(f"measure must be True or False, got {measure!r}")
         self.device = resolve_device(device)
         self.depth = depth
         self.transform = transform
-        self.stats = PrefetchStats()
+        self.stats = PrefetchStats(device=self.device.type, measure=measure, depth=depth, **_describe(loader))
         self._closed = False
         self._current: weakref.ref[_Epoch] | None = None
         self._state: Any = None  # the loader's state after the last batch handed to the consumer
@@ -95,7 +104,7 @@ class CudaPrefetcher:
         if trace is None:
             trace = os.environ.get("GPUFEED_TRACE", "0") not in ("", "0", "false", "no")
         self._trace = TraceRecorder() if trace else None
-        self._stage = DeviceStage(self.device, transform, self.stats)
+        self._stage = DeviceStage(self.device, transform, self.stats, measure)
         self._static = StaticBuffers() if static else None
         _LIVE.add(self)
 
@@ -205,7 +214,10 @@ class _Epoch:
     Invariants: ``ahead`` holds at most ``depth + 1`` items (device batches, then a Failure last), in the
     loader's order; an item is handed over once. The epoch's host batches come from a generator that owns
     the loader's iterator: closing it (at the end, ``close()``, or when this object is collected) ends the
-    loader's iteration, its worker processes and reader threads.
+    loader's iteration, its worker processes and reader threads. On the CPU, ``kept`` holds the two
+    batches handed over last: the batch the loop let go of is freed inside ``next()`` (the hand-over
+    drops it), so the cost of freeing it (a DataLoader worker's shared memory: about 130 us a MiB) counts
+    as the input's, not as the loop's step.
     """
 
     def __init__(self, pf: CudaPrefetcher, batches: Iterator[Any]) -> None:
@@ -221,7 +233,10 @@ class _Epoch:
         self._handed = 0
         self._taken = 0  # batches taken from the loader
         self._busy = threading.Lock()  # held while the loop's thread takes from the loader
+        self._kept: collections.deque[Any] = collections.deque(maxlen=2)
         self._finalizer = weakref.finalize(self, _close_batches, batches)
+        if self._stage.meter is not None:
+            self._stage.meter.new_epoch()
 
     def __iter__(self) -> _Epoch:
         return self
@@ -231,7 +246,10 @@ class _Epoch:
             if self._reason:
                 raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
             raise StopIteration
-        t0 = time.perf_counter()
+        stats = self._stats
+        mark = (time.perf_counter(), stats.fetch_s, stats.stage_s)
+        if self._last_t is not None:  # (an epoch's first batch is its start-up: not judged)
+            self._stage.asked(mark)
         try:
             with self._busy:
                 self._fill()
@@ -246,8 +264,8 @@ class _Epoch:
             self._finalizer()
             raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
         if type(item) is DeviceBatch:
-            return self._hand_over(item, t0)
-        self._account(t0)
+            return self._hand_over(item, mark)
+        self._account(mark)
         self.close("")
         self._reason = ""
         if item is not None:
@@ -279,30 +297,35 @@ class _Epoch:
                 self._ahead.append(Failure.caught(exc))
                 self._ended = True
 
-    def _hand_over(self, item: DeviceBatch, t0: float) -> Any:
+    def _hand_over(self, item: DeviceBatch, mark: tuple[float, float, float]) -> Any:
         pf = self._pf
         if self._handed == 0:  # an epoch counts once it hands out a batch (not a probing iter())
             pf._loader.epoch_started()
         self._handed += 1
-        if self._handed in SAMPLED and self._stage.cuda:
-            self._stats.gpu_busy |= self._stage.gpu_busy()
         batch = self._stage.hand_over(item)
         if pf._static is not None:
             batch = pf._static.fill(batch)
+        if not self._stage.cuda:
+            self._kept.append(batch)
         pf._state = item.state
-        self._account(t0)
+        self._account(mark, handed=True)
         self._stats.batches += 1
         return batch
 
-    def _account(self, t0: float) -> None:
-        """Count the time since ``t0`` as the loop's wait, or as start-up for an epoch's first batch."""
+    def _account(self, mark: tuple[float, float, float], handed: bool = False) -> None:
+        """Count the time since ``mark`` (its time, ``fetch_s`` and ``stage_s`` then) as the loop's wait, or
+        as start-up for an epoch's first batch; on the CPU, the verdict's wait too."""
         now = time.perf_counter()
         stats = self._stats
+        t0 = mark[0]
         if self._last_t is None:  # the pipeline starting up: not a wait of the training loop
             stats.startup_s += now - t0
         else:
             stats.wait_s += now - t0
             stats.wall_s += now - self._last_t
+            if handed and not self._stage.cuda:  # (not the call that finds the end: no step follows)
+                stats.span_s += now - self._last_t
+                stats.waited(now - t0, fetch=stats.fetch_s - mark[1], stage=stats.stage_s - mark[2])
         self._last_t = now
         if self._pf._trace is not None:
             self._pf._trace.add("wait", int(t0 * 1e9), int(now * 1e9), "consumer", batch=stats.batches)
@@ -313,6 +336,7 @@ class _Epoch:
         self._reason = reason
         ahead, self._ahead = self._ahead, collections.deque()
         self._stage.drop(list(ahead))
+        self._kept.clear()
         if self._busy.acquire(blocking=False):  # (else the loop's thread is taking a batch: it sees _done)
             try:
                 self._finalizer()
@@ -361,10 +385,21 @@ def _worker_arena(asked: bool | None, loader: Any, adapter: Any, cuda: bool, dep
     return WorkerArena(pin=cuda, depth=depth, stats=stats)
 
 
+def _describe(loader: Any) -> dict[str, Any]:
+    """What the verdict's next step names: the loader's kind, and its workers."""
+    if isinstance(loader, SourceLoader):
+        return {"loader": "SourceLoader"}
+    if isinstance(getattr(loader, "num_workers", None), int):
+        return {"loader": "DataLoader", "num_workers": loader.num_workers}
+    if callable(loader) and not isinstance(loader, collections.abc.Iterable):
+        return {"loader": "factory"}  # (called each epoch: what it returns is not known yet)
+    return {"loader": type(loader).__name__}
+
+
 #: Arguments that batch, shuffle, shard or read: they belong to the loader a prefetcher wraps.
 _LOADER_ARGS = ("batch_size", "shuffle", "drop_last", "seed", "rank", "world_size", "pad", "num_threads",
                 "pinned_budget")
-_ARGS = ("device", "depth", "transform", "static", "trace", "worker_slots")
+_ARGS = ("device", "depth", "transform", "static", "trace", "worker_slots", "measure")
 
 
 def _unexpected_message(kwargs: dict[str, Any]) -> str:

@@ -1,0 +1,175 @@
+"""GpuWaits: how long the GPU waited for each batch, read from CUDA events batches later."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, NamedTuple
+
+import torch
+
+from gpufeed.stats import PrefetchStats
+
+# The event calls straight to torch._C, as the stage's stream calls (torch.cuda.Event's methods wrap them).
+_Base = torch._C._CudaEventBase
+_record, _query, _elapsed = _Base.record, _Base.query, _Base.elapsed_time
+
+#: Batches read a call while the readings keep up; more while they catch up.
+_COLLECT, _BACKLOG = 1, 16
+
+
+class _Pending(NamedTuple):
+    asked: Any  # timing event on the loop's stream, recorded when next() started
+    handed: Any  # timing event there at the hand-over, or None where ``asked`` had not completed by then
+    copied: Any  # the batch's copy event, or None where it had completed by the hand-over (or there is none)
+    stream: Any  # the loop's stream
+    epoch: int
+    fetch: float  # shares of the thread's time in that next(): the loader's next(), staging
+    stage: float
+
+
+class GpuWaits:
+    """How long the loop's stream was ready to run a step while its batch was not, batch by batch.
+
+    For each batch but an epoch's first (its start-up), the event ``asked`` is recorded on the loop's
+    stream when ``next()`` starts: it completes once the GPU has run the work the loop queued before, when
+    the stream could start the next step. The batch's copy event ``copied`` (on the copy stream) completes
+    when its data is ready. The step starts at the later of the two and of the moment the loop's thread
+    gets the batch; so where ``asked`` has completed by the hand-over (the GPU ran dry while the thread was
+    in ``next()``), a second event ``handed`` is recorded there, before the stream waits on ``copied``.
+    The batch's wait is ``max(handed, copied) - asked`` (``handed`` taken as ``asked`` where it was not
+    recorded), never negative:
+
+    * ``handed - asked``: the GPU idle while the thread was in the loader's ``next()``, staging, or
+      issuing copies; split between them as the thread's time was in that ``next()``;
+    * the rest, ``copied`` past ``handed``: the copy (and ``transform``) not done when the stream was ready.
+
+    A copy complete at the hand-over completed before both ``handed`` and an ``asked`` still pending then:
+    it is dropped there, so the GPU-bound loop's batch costs one event and three queries, and no elapsed
+    time is read but the span's. A batch copied on the loop's own stream has no ``copied``: its copy runs
+    on the loop's stream between
+    the ``asked`` of the call that issued it and the step, so a call that issued one records ``handed``
+    and the stream's time on the copy is in its ``handed - asked``.
+
+    Invariants: nothing here waits for the GPU on the loop's thread: events are read only once a later
+    event of the same stream has completed (the stream waited on the batch's ``copied`` before it), at
+    most a few a call; :meth:`refresh` reads what the GPU has reached, :meth:`close` waits for the rest.
+    An epoch's span runs from its second batch's step to its last's,
+    ``elapsed(first.asked, last.asked) + last.wait - first.wait``; the first one's wait lies before it and
+    is not counted. Events are reused from a free list once read.
+    """
+
+    def __init__(self, stats: PrefetchStats) -> None:
+        self.stats = stats
+        self.inline = False  # the current call issued a copy on the loop's stream
+        self._free: list[Any] = []
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._asked: tuple[Any, tuple[float, float, float]] | None = None
+        self._epoch = 0
+        self._first: tuple[Any, float, int] | None = None  # (asked, wait, epoch) of the epoch's span start
+        self._last: tuple[Any, float] | None = None
+        self._closed_span = 0.0
+        self._lock = threading.Lock()
+
+    def new_epoch(self) -> None:
+        """An epoch starts: its first batch is its start-up, and the last call of the one before (which
+        found the end, and handed nothing over) pairs with no batch."""
+        self._epoch += 1
+        if self._asked is not None:
+            self._free.append(self._asked[0])
+            self._asked = None
+
+    def asked(self, stream: Any, mark: tuple[float, float, float]) -> None:
+        """``next()`` started (``mark``: its time, and the stats' ``fetch_s`` and ``stage_s`` then)."""
+        event = self._take()
+        _record(event, stream)
+        if self._asked is not None:  # a call that handed nothing over (the end, an error)
+            self._free.append(self._asked[0])
+        self._asked = (event, mark)
+        self.inline = False
+
+    def handed(self, stream: Any, copied: Any) -> None:
+        """The batch is handed over on ``stream``, which is about to wait on ``copied``."""
+        if self._asked is None:  # an epoch's first batch
+            return
+        asked, (t0, fetch0, stage0) = self._asked
+        self._asked = None
+        if copied is not None and _query(copied):  # done before the stream could be ready: no copy wait
+            copied = None
+        handed = None
+        if self.inline or _query(asked):
+            handed = self._take()
+            _record(handed, stream)
+        dt = time.perf_counter() - t0
+        stats = self.stats
+        fetch = (stats.fetch_s - fetch0) / dt if dt > 0 else 0.0
+        stage = (stats.stage_s - stage0) / dt if dt > 0 else 0.0
+        self._pending.append(_Pending(asked, handed, copied, stream, self._epoch, fetch, stage))
+        if self._lock.acquire(blocking=False):  # (else a refresh on another thread reads them)
+            try:
+                self._collect(_COLLECT if len(self._pending) < _BACKLOG else 2 * _COLLECT, keep=1)
+            finally:
+                self._lock.release()
+
+    def refresh(self) -> None:
+        """Read every batch the GPU has reached; bring ``stats.span_s`` up to date."""
+        with self._lock:
+            self._collect(len(self._pending), keep=0)
+            self.stats.span_s = self._closed_span + self._open_span()
+
+    def close(self) -> None:
+        """Wait for the events still pending and read them (the prefetcher closes)."""
+        with self._lock:
+            for p in self._pending:
+                for event in (p.handed or p.asked, p.copied):
+                    if event is not None:
+                        event.synchronize()
+            self._collect(len(self._pending), keep=0)
+            self._close_epoch()
+            self.stats.span_s = self._closed_span
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    def _collect(self, limit: int, keep: int) -> None:
+        pending = self._pending
+        while limit > 0 and len(pending) > keep and self._reached(pending):
+            self._count(pending.popleft())
+            limit -= 1
+
+    def _reached(self, pending: collections.deque[_Pending]) -> bool:
+        p = pending[0]
+        if len(pending) > 1 and pending[1].stream is p.stream:
+            return bool(_query(pending[1].asked))
+        return bool(_query(p.handed or p.asked)) and (p.copied is None or bool(_query(p.copied)))
+
+    def _count(self, p: _Pending) -> None:
+        idle = max(0.0, _elapsed(p.asked, p.handed) / 1e3) if p.handed is not None else 0.0
+        copy = _elapsed(p.asked, p.copied) / 1e3 if p.copied is not None else 0.0
+        wait = max(idle, copy)
+        if p.handed is not None:
+            self._free.append(p.handed)
+        if self._first is None or self._first[2] != p.epoch:
+            self._close_epoch()
+            self._first = (p.asked, wait, p.epoch)
+            return
+        if self._last is not None:
+            self._free.append(self._last[0])
+        self._last = (p.asked, wait)
+        self.stats.waited(wait, fetch=idle * p.fetch, stage=idle * p.stage, copy=wait - idle)
+
+    def _open_span(self) -> float:
+        if self._first is None or self._last is None:
+            return 0.0
+        return _elapsed(self._first[0], self._last[0]) / 1e3 + self._last[1] - self._first[1]
+
+    def _close_epoch(self) -> None:
+        self._closed_span += self._open_span()
+        for kept in (self._first, self._last):
+            if kept is not None:
+                self._free.append(kept[0])
+        self._first = self._last = None
+        self.stats.span_s = self._closed_span
+
+    def _take(self) -> Any:
+        return self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
