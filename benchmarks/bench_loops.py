@@ -91,7 +91,7 @@ NODES_METHODS = ("nodes_to", "nodes_pin_nb", "todevice")  # the methods of the n
 _END = object()
 SLOW_CAP = 2.0  # a window is cut after this many --seconds (a method under half the ideal's rate)
 MAX_STEPS = 2000  # timed steps an epoch at most
-FULL = {"rounds": 3, "seconds": 0.2, "warmup": 3, "workers": "2,8", "pool_mib": 128.0}
+FULL = {"rounds": 3, "seconds": 0.6, "warmup": 3, "workers": "2,8", "pool_mib": 128.0}
 SMOKE = {"rounds": 1, "seconds": 0.02, "warmup": 1, "workers": "1", "pool_mib": 1.0}
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU machine: the cuda-marked tests, then every benchmark.
 # Usage there (after the .devwhl prepare line):  bash benchmarks/run_gpu.sh "$OUT/r" --pack [part]
-# part: "a" (tests, prefetcher, grid, CLI), "b" (sources, tabpfn, resnet), "t" (the trainers: bench_trainers.py, and
+# part: "a" (tests, prefetcher, grid, CLI), "b" (sources, tabpfn, resnet), "l" (the training loops' small steps,
+# mlp and token, and the verdict's cases), "m" (the loops' cnn and resnet steps), "t" (the trainers: bench_trainers.py, and
 # examples/accelerate_launch.py --check on 2 GPUs where there are 2; needs pip install -e '.[integrations]' lightning)
 # or "r" (the reliability report, whose page
 # docs/reliability.md is copied into the folder); "ab" when left out. A part may take past 600 s: run the steps of one in separate calls then.
@@ -35,6 +36,16 @@ if [[ $part == *t* ]]; then
       > "$out/accelerate-launch.log" 2>&1
     tail -4 "$out/accelerate-launch.log"
   fi
+fi
+if [[ $part == *l* ]]; then  # (windows of 0.6 s: about 5 minutes)
+  timeout 330 python3 benchmarks/bench_loops.py --steps mlp,token --out "$out" > "$out/bench-loops-small.log" 2>&1
+  tail -12 "$out/bench-loops-small.log"
+  timeout 200 python3 benchmarks/bench_verdict.py --out "$out" > "$out/bench-verdict.log" 2>&1
+  tail -8 "$out/bench-verdict.log"
+fi
+if [[ $part == *m* ]]; then  # (about 8 minutes; the JSON of part "l" is overwritten: keep it aside first)
+  timeout 560 python3 benchmarks/bench_loops.py --steps cnn,resnet --out "$out" > "$out/bench-loops-large.log" 2>&1
+  tail -12 "$out/bench-loops-large.log"
 fi
 if [[ $part == *r* ]]; then
   timeout 200 python3 tests/reliability/report.py --runs 1 > "$out/reliability-report.log" 2>&1
