@@ -1,7 +1,7 @@
 """Realistic training loops, each fed every way users feed a GPU, every peer and gpufeed in one run.
 
-Run it on the GPU machine, in one process (on an H200, mlp and token take about 5 minutes, cnn and resnet about 8:
-run them in two calls of at most 10 minutes)::
+Run it on the GPU machine, in one process (on an H200, mlp and token take about 5 minutes, cnn and
+resnet about 8: run them in two calls of at most 10 minutes)::
 
     python3 benchmarks/bench_loops.py --out benchmarks/results   # loops-<card>.{json,md,png}
     python3 benchmarks/bench_loops.py --steps mlp,token --feeds 'dl2-*' --methods to,gpufeed
