@@ -29,7 +29,7 @@ class TraceRecorder:
     """Record spans from any thread; write them as a Chrome trace (Perfetto, chrome://tracing).
 
     Each span lands on a *track* named by ``tid_name`` (default: the recording thread's name), so the
-    fetch thread, the fill workers and the consumer each get a row. Times are ``perf_counter_ns``
+    loop's fetching, the reader threads and the consumer each get a row. Times are ``perf_counter_ns``
     relative to the recorder's creation, written in microseconds.
 
     Args:

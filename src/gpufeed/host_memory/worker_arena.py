@@ -252,7 +252,7 @@ class WorkerArena:
 
     def begin(self, loader: Any) -> SlotCollate | None:
         """The collate function for the workers of an iteration of ``loader`` about to start, or None where
-        slots cannot be handed out: the workers of an earlier iteration may still run (its fetch thread
+        slots cannot be handed out: the workers of an earlier iteration may still run (its iterator
         outlived its stop), the loader's workers changed while slots were in use, or the slots belong to
         another loader that is still alive."""
         prefetch = loader.prefetch_factor or 2
