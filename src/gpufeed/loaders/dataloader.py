@@ -177,6 +177,12 @@ def _batches(loader: Any, arena: WorkerArena | None) -> Iterator[HostBatch]:
         close = getattr(it, "close", None)
         if close is not None:
             close()
+        elif not getattr(inner, "persistent_workers", True):
+            # A DataLoader's iterator shuts its workers down when collected; an error's traceback may
+            # hold it past the epoch (and its dead worker's SIGCHLD then fires later): shut them down now.
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if callable(shutdown):
+                shutdown()
         del it
         if collate is not None:
             arena.end()
