@@ -614,3 +614,63 @@ def test_a_forked_worker_never_collects_this_process_s_cycles(tmp_path):
         finally:
             gc.enable()
         assert [p.name for p in tmp_path.iterdir()] == [f"freed-in-{os.getpid()}"], wrapped
+
+
+def test_a_state_saved_at_an_epoch_s_end_resumes_at_the_next_epoch():
+    """The loader's state is taken once more when its epoch ends: taken after the last batch only, it says
+    the epoch is not done, and a resumed run would start with an empty rest of it."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    loader = stateful.StatefulDataLoader(list(range(12)), batch_size=4)
+    with CudaPrefetcher(loader, device="cpu") as pf:
+        assert [b.tolist() for b in pf] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        state = pf.state_dict()
+    resumed = CudaPrefetcher(stateful.StatefulDataLoader(list(range(12)), batch_size=4), device="cpu")
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert resumed.epoch == 1
+    resumed.close()
+
+
+def test_a_stop_iteration_raised_by_the_transform_is_an_error_at_its_batch():
+    def transform(b):
+        if int(b[0]) == 3:
+            next(iter([]))
+        return b
+
+    got = []
+    with CudaPrefetcher([torch.tensor([i]) for i in range(8)], device="cpu", transform=transform) as pf:
+        with pytest.raises(RuntimeError, match="StopIteration"):
+            for b in pf:
+                got.append(int(b[0]))
+    assert got == [0, 1, 2]
+
+
+def test_break_and_collection_drop_the_batches_taken_ahead(monkeypatch):
+    """An epoch broken off and collected hands the batches it took ahead to the device stage's drop(), which
+    fences their memory behind their copies (on CUDA)."""
+    import gpufeed._device as device_stage
+
+    dropped = []
+    monkeypatch.setattr(device_stage.DeviceStage, "drop", lambda self, items: dropped.extend(items))
+    pf = CudaPrefetcher([torch.tensor([i]) for i in range(10)], device="cpu", depth=3)
+    for b in pf:
+        if int(b[0]) == 2:
+            break
+    gc.collect()
+    assert [int(d.batch[0]) for d in dropped] == [3, 4, 5]
+    pf.close()
+
+
+def test_a_program_s_own_frozen_objects_stay_frozen(tmp_path):
+    """gpufeed freezes the collector while workers fork only where the program has not frozen objects of its
+    own: thawing ours would thaw theirs."""
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, num_workers=1,
+                                         multiprocessing_context="fork")
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with CudaPrefetcher(loader, device="cpu") as pf:
+            assert len(list(pf)) == 4
+        assert gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()

@@ -46,7 +46,7 @@ class DeviceStage:
 
     Invariants (CUDA):
 
-    * One copy stream for the stage's whole life.
+    * One copy stream for the stage's whole life (one a device for the process: :func:`copy_stream`).
     * A batch's device tensors are allocated on the consumer's current stream. On the copy stream, the
       copies wait on an event recorded there after those allocations: memory the caching allocator hands
       out again was freed by the consumer, so every kernel that read it was queued before that event, and
@@ -69,7 +69,7 @@ class DeviceStage:
         self.transform = transform
         self.stats = stats
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.stream = copy_stream(device) if self.cuda else None
         self.streams = _Streams(device, self.stream) if self.cuda else None
         self.stager = Stager(pin=self.cuda)
         self.pinning = self.cuda  # pageable tensors are staged through pinned memory (until it fails)
@@ -86,11 +86,15 @@ class DeviceStage:
     def copy(self, hb: HostBatch) -> DeviceBatch:
         """Issue the copies of ``hb`` (its host memory goes back once they complete). On CUDA, runs on the
         consumer's thread, whose current stream is the consumer's."""
+        leased = []
+        if hb.lease is not None:  # (called once, whatever fails after it)
+            lease = hb.lease
+            hb = hb._replace(lease=lambda event: (leased.append(True), lease(event)))
         try:
             with _nvtx.range("gpufeed.copy"):
                 out = self._to_cuda(hb) if self.cuda else self._to_cpu(hb)
-        except BaseException:  # (the lease is the last step of a copy: not called yet) the memory goes back
-            if hb.lease is not None:
+        except BaseException:  # the batch is never handed out: its memory goes back once no copy reads it
+            if hb.lease is not None and not leased:
                 if self.stream is not None:
                     self.stream.synchronize()
                 hb.lease(None)
@@ -244,7 +248,7 @@ class DeviceStage:
                 t.record_stream(self.stream)
         for t in outs:
             t.record_stream(consumer)
-        return result, []
+        return result, outs
 
     def _collect_timing(self) -> None:
         while self._timed and self._timed[0][1].query():
@@ -334,6 +338,19 @@ class _Costs:
     def _update(self) -> None:
         if self._issue_s is not None and self._wait_s is not None:
             self.calls_s = self._issue_s + self._wait_s
+
+
+_COPY_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The copy stream of ``device``, one for the process: every prefetcher (one an epoch, too) and every
+    ``ToDevice`` copies on it, so no stream is made per epoch (a stream per epoch grows reserved memory,
+    as the allocator reuses a block only on the stream it was made on: timm#2781, FFCV#308)."""
+    stream = _COPY_STREAMS.get(device.index)
+    if stream is None:
+        stream = _COPY_STREAMS[device.index] = torch.cuda.Stream(device)
+    return stream
 
 
 def _to(obj: Any, device: torch.device) -> Any:

@@ -234,7 +234,7 @@ class _Epoch:
         self._taken = 0  # batches taken from the loader
         self._busy = threading.Lock()  # held while the loop's thread takes from the loader
         self._kept: collections.deque[Any] = collections.deque(maxlen=2)
-        self._finalizer = weakref.finalize(self, _close_batches, batches)
+        self._finalizer = weakref.finalize(self, _end_epoch, batches, self._ahead, self._stage, os.getpid())
         if self._stage.meter is not None:
             self._stage.meter.new_epoch()
 
@@ -259,13 +259,17 @@ class _Epoch:
                 self.close("")
             raise
         if self._done:  # closed from another thread while this one read: this thread ends the iteration
-            self._stage.drop(list(self._ahead))
-            self._ahead.clear()
+            if item is not None:
+                self._ahead.appendleft(item)
             self._finalizer()
             raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
         if type(item) is DeviceBatch:
             return self._hand_over(item, mark)
         self._account(mark)
+        if item is None and self._handed:  # the loader's end: its state after it (a resumed run starts anew)
+            end = self._pf._loader.end_state()
+            if end is not None:
+                self._pf._state = end
         self.close("")
         self._reason = ""
         if item is not None:
@@ -282,17 +286,22 @@ class _Epoch:
                 try:
                     with _nvtx.range("gpufeed.fetch"):
                         hb = next(self._batches)
+                except StopIteration:
+                    self._ended = True
+                    return
                 finally:
                     t1 = time.perf_counter()
                     stats.fetch_s += t1 - t0
                     if trace is not None:
                         trace.add("fetch", int(t0 * 1e9), int(t1 * 1e9), "gpufeed", batch=index)
                 self._taken += 1
-                self._ahead.append(stage.copy(hb))
+                try:
+                    copied = stage.copy(hb)
+                except StopIteration as exc:  # (a transform's): an error, not the end of the epoch (PEP 479)
+                    raise RuntimeError("the transform (or a batch's .to()) raised StopIteration") from exc
+                self._ahead.append(copied)  # (after the copy: a close() meanwhile finds it in the deque)
                 if trace is not None:
                     trace.add("copy", int(t1 * 1e9), time.perf_counter_ns(), "gpufeed", batch=index)
-            except StopIteration:
-                self._ended = True
             except Exception as exc:  # (the loader's or the transform's) raised after the batches before it
                 self._ahead.append(Failure.caught(exc))
                 self._ended = True
@@ -334,8 +343,6 @@ class _Epoch:
         """End this epoch now: the loader's iterator closes, and the batches taken ahead are dropped."""
         self._done = True
         self._reason = reason
-        ahead, self._ahead = self._ahead, collections.deque()
-        self._stage.drop(list(ahead))
         self._kept.clear()
         if self._busy.acquire(blocking=False):  # (else the loop's thread is taking a batch: it sees _done)
             try:
@@ -344,7 +351,14 @@ class _Epoch:
                 self._busy.release()
 
 
-def _close_batches(batches: Iterator[Any]) -> None:
+def _end_epoch(batches: Iterator[Any], ahead: collections.deque[Any], stage: DeviceStage, pid: int) -> None:
+    """End an epoch (``close()``, or ``break``/``del``/GC of its iterator): drop the batches taken ahead,
+    their memory fenced behind their copies (not in a forked child, where CUDA cannot be called), and close
+    the loader's iteration."""
+    items = list(ahead)
+    ahead.clear()
+    if os.getpid() == pid:
+        stage.drop(items)
     close = getattr(batches, "close", None)
     if close is not None:
         try:

@@ -63,6 +63,7 @@ class LoaderAdapter:
         self._chosen = False  # set_epoch chose the next iteration's epoch
         self._started = False  # the current epoch handed out a batch: the next iteration is a new one
         self._resume: int | None = None  # the epoch to resume in, after load_state_dict
+        self._end_state: Any = None  # the loader's state after its last iteration ended
 
     @property
     def is_factory(self) -> bool:
@@ -103,7 +104,8 @@ class LoaderAdapter:
             raise TypeError(f"cannot take the state of this loader: {self.not_resumable}")
         if last is None:
             last = self.source.state_dict()
-        return {"gpufeed": STATE_VERSION, "mode": "loader", "epoch": self.epoch, "loader": last}
+        done = last is self._end_state  # (the epoch ended: a resumed run starts the next one)
+        return {"gpufeed": STATE_VERSION, "mode": "loader", "epoch": self.epoch + done, "loader": last}
 
     def load_prefetcher_state(self, state: dict[str, Any]) -> None:
         """Load the loader's state now; the next iteration resumes in the saved epoch."""
@@ -134,6 +136,7 @@ class LoaderAdapter:
         """The batches of one iteration of ``loader``, those collated into ``arena`` as views of it, each
         with the loader's state after it (where that can be taken: the first refusal says why not)."""
         stateful = self._factory is None and self.not_resumable is None
+        self._end_state = None
         batches = _batches(loader, arena)
         try:
             for batch in batches:
@@ -142,8 +145,15 @@ class LoaderAdapter:
                     state, self.not_resumable = take_state(loader)
                     stateful = self.not_resumable is None
                 yield batch._replace(state=state) if state is not None else batch
+            if stateful:  # (taken after the last batch, its state says the epoch is not done yet)
+                self._end_state, self.not_resumable = take_state(loader)
         finally:
             batches.close()  # the loader's iteration ends now, on this thread
+
+    def end_state(self) -> Any:
+        """The loader's state once its iteration ended (None where it is not taken): a run resumed from it
+        starts the next epoch, not an empty rest of this one."""
+        return self._end_state
 
 
 def _batches(loader: Any, arena: WorkerArena | None) -> Iterator[HostBatch]:
@@ -159,7 +169,9 @@ def _batches(loader: Any, arena: WorkerArena | None) -> Iterator[HostBatch]:
     original = getattr(inner, "collate_fn", None)
     if collate is not None:
         inner.collate_fn = collate
-    frozen = _forks_workers(inner)
+    # (where the program froze objects of its own, its permanent generation is left as it is: thawing
+    # ours would thaw them too)
+    frozen = _forks_workers(inner) and gc.get_freeze_count() == 0
     if frozen:
         gc.freeze()
     it = None

@@ -180,6 +180,10 @@ class SourceLoader:
         self._resume = None
         self.begin_epoch(self._iterating[0])
 
+    def end_state(self) -> None:
+        """None: the position after an epoch's last batch already resumes at the next epoch."""
+        return None
+
     def initial_state(self) -> dict[str, Any]:
         """The position before the current iteration's first batch."""
         return self.state_at(*self._iterating)
