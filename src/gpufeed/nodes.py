@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
+import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -86,6 +88,8 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
         self.stats = PrefetchStats()
         self._stage = DeviceStage(self.device, transform, self.stats)
         self._ahead: collections.deque[Any] = collections.deque()
+        # (collected with batches ahead, as when a Loader is dropped mid-epoch: their memory fenced too)
+        weakref.finalize(self, _drop_ahead, self._ahead, self._stage, os.getpid())
         self._ended = True  # the upstream is exhausted (or failed): nothing more to take until reset
         self._state: Any = None  # the upstream's state after the last batch handed out
         self._handed = 0  # batches handed out since the last reset
@@ -133,19 +137,23 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
         try:
             while len(ahead) <= depth:
                 t0 = time.perf_counter()
-                batch = next(source)
+                try:
+                    batch = next(source)
+                except StopIteration:
+                    self._ended = True
+                    return
                 stats.fetch_s += time.perf_counter() - t0
-                ahead.append(copy(HostBatch(batch, None, source.state_dict())))
-        except StopIteration:
-            self._ended = True
+                try:
+                    ahead.append(copy(HostBatch(batch, None, source.state_dict())))
+                except StopIteration as exc:  # (a transform's): an error, not the end (PEP 479)
+                    raise RuntimeError("the transform (or a batch's .to()) raised StopIteration") from exc
         except Exception as exc:  # (the upstream's or the transform's) raised after the batches before it
             ahead.append(Failure.caught(exc))
             self._ended = True
 
     def _drop(self) -> None:
         """Drop the batches in flight (``DeviceStage.drop``: their memory's stream waits on their copies)."""
-        ahead, self._ahead = self._ahead, collections.deque()
-        self._stage.drop(list(ahead))
+        _drop_ahead(self._ahead, self._stage, os.getpid())
 
     def _account(self, mark: tuple[float, float, float]) -> None:
         """The time since ``mark`` (its time, ``fetch_s`` and ``stage_s`` then) as your loop's wait, or as
@@ -163,3 +171,12 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
                 stats.waited(now - t0, fetch=stats.fetch_s - mark[1], stage=stats.stage_s - mark[2])
         self._last_t = now
         stats.batches += 1
+
+
+def _drop_ahead(ahead: collections.deque[Any], stage: DeviceStage, pid: int) -> None:
+    """Drop the batches in ``ahead`` through ``stage.drop`` (not in a forked child, where CUDA cannot be
+    called)."""
+    items = list(ahead)
+    ahead.clear()
+    if os.getpid() == pid:
+        stage.drop(items)
