@@ -249,6 +249,7 @@ class WorkerArena:
         self._closed = False
         self._lock = threading.Lock()  # the loop's thread opens; a close() from another thread may release
         self._pending: collections.deque[tuple[Any, int]] = collections.deque()  # (copy event, slot) leased
+        self._cached: dict[int, tuple[Any, list[torch.Tensor]]] = {}  # a slot's views, by its layout
 
     def begin(self, loader: Any) -> SlotCollate | None:
         """The collate function for the workers of an iteration of ``loader`` about to start, or None where
@@ -334,8 +335,18 @@ class WorkerArena:
         if self.stats is not None:
             self.stats.slot_batches += 1
         specs, rebuild = flatten(sb.batch, leaf=_Leaf)
-        views = [slot[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in specs]
-        return views, rebuild, lease
+        return self._views(sb.sid, slot, specs), rebuild, lease
+
+    def _views(self, sid: int, slot: torch.Tensor, specs: list[_Leaf]) -> list[torch.Tensor]:
+        """The tensors ``specs`` describe, as views of ``slot``: made once for a slot and a layout, as batches
+        of one shape follow each other (three torch calls a tensor otherwise, every batch). The views go only
+        to the device stage, which copies them; they are dropped with the slot."""
+        key = (slot.data_ptr(), tuple(specs))
+        cached = self._cached.get(sid)
+        if cached is None or cached[0] != key:
+            views = [slot[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in specs]
+            cached = self._cached[sid] = (key, views)
+        return list(cached[1])
 
     def _collect(self, wait: bool = False) -> None:
         """Release the slots whose copies completed (all of them, waiting, with ``wait``)."""
@@ -349,6 +360,7 @@ class WorkerArena:
         with self._lock:
             self._leased.discard(sid)
             if self._closed:
+                self._cached.pop(sid, None)
                 slot = self._slots.pop(sid, None)
                 if slot is not None:
                     self._unregister(slot)
@@ -366,9 +378,11 @@ class WorkerArena:
             if self._flags is not None:
                 self._flags[-1] = CLOSED
             for sid in [i for i in self._slots if i not in self._leased]:
+                self._cached.pop(sid, None)
                 self._unregister(self._slots.pop(sid))
 
     def _install(self, sid: int, slot: torch.Tensor) -> None:
+        self._cached.pop(sid, None)
         old = self._slots.pop(sid, None)
         if old is not None:
             self._unregister(old)
@@ -387,6 +401,7 @@ class WorkerArena:
         for slot in self._slots.values():
             self._unregister(slot)
         self._slots.clear()
+        self._cached.clear()
 
     def _unregister(self, slot: torch.Tensor) -> None:
         if slot.data_ptr() in self._registered:
