@@ -86,20 +86,17 @@ class DeviceStage:
     def copy(self, hb: HostBatch) -> DeviceBatch:
         """Issue the copies of ``hb`` (its host memory goes back once they complete). On CUDA, runs on the
         consumer's thread, whose current stream is the consumer's."""
-        leased = []
-        if hb.lease is not None:  # (called once, whatever fails after it)
-            lease = hb.lease
-            hb = hb._replace(lease=lambda event: (leased.append(True), lease(event)))
         try:
             with _nvtx.range("gpufeed.copy"):
-                out = self._to_cuda(hb) if self.cuda else self._to_cpu(hb)
-        except BaseException:  # the batch is never handed out: its memory goes back once no copy reads it
-            if hb.lease is not None and not leased:
+                return self._to_cuda(hb) if self.cuda else self._to_cpu(hb)
+        except BaseException as exc:  # the batch is never handed out: its memory goes back once no copy
+            if hb.lease is not None:  # reads it (a lease already called ignores this call)
                 if self.stream is not None:
                     self.stream.synchronize()
                 hb.lease(None)
-            raise
-        return out
+            if isinstance(exc, StopIteration):  # (a transform's, or a batch's .to()): an error, not the
+                raise RuntimeError("the transform (or a batch's .to()) raised StopIteration") from exc
+            raise  # end of the loader's epoch (PEP 479)
 
     def _to_cpu(self, hb: HostBatch) -> DeviceBatch:
         leaves, rebuild = flatten(hb.batch)

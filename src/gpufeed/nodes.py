@@ -111,7 +111,7 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
 
     def next(self) -> Any:
         stats = self.stats
-        mark = (time.perf_counter(), stats.fetch_s, stats.stage_s)
+        mark = stats.mark()
         if self._last_t is not None:  # (an epoch's first batch is its start-up: not judged)
             self._stage.asked(mark)
         ahead = self._ahead
@@ -143,10 +143,8 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
                     self._ended = True
                     return
                 stats.fetch_s += time.perf_counter() - t0
-                try:
-                    ahead.append(copy(HostBatch(batch, None, source.state_dict())))
-                except StopIteration as exc:  # (a transform's): an error, not the end (PEP 479)
-                    raise RuntimeError("the transform (or a batch's .to()) raised StopIteration") from exc
+                copied = copy(HostBatch(batch, None, source.state_dict()))
+                ahead.append(copied)
         except Exception as exc:  # (the upstream's or the transform's) raised after the batches before it
             ahead.append(Failure.caught(exc))
             self._ended = True
@@ -156,21 +154,9 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
         _drop_ahead(self._ahead, self._stage, os.getpid())
 
     def _account(self, mark: tuple[float, float, float]) -> None:
-        """The time since ``mark`` (its time, ``fetch_s`` and ``stage_s`` then) as your loop's wait, or as
-        start-up for an epoch's first batch; on the CPU, the verdict's wait too (as ``CudaPrefetcher``'s)."""
-        now = time.perf_counter()
-        stats = self.stats
-        t0 = mark[0]
-        if self._last_t is None:
-            stats.startup_s += now - t0
-        else:
-            stats.wait_s += now - t0
-            stats.wall_s += now - self._last_t
-            if not self._stage.cuda:
-                stats.span_s += now - self._last_t
-                stats.waited(now - t0, fetch=stats.fetch_s - mark[1], stage=stats.stage_s - mark[2])
-        self._last_t = now
-        stats.batches += 1
+        """Your loop's wait since ``mark``, counted as ``CudaPrefetcher``'s (``PrefetchStats.served``)."""
+        self._last_t = self.stats.served(mark, self._last_t, not self._stage.cuda)
+        self.stats.batches += 1
 
 
 def _drop_ahead(ahead: collections.deque[Any], stage: DeviceStage, pid: int) -> None:

@@ -247,7 +247,7 @@ class _Epoch:
                 raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
             raise StopIteration
         stats = self._stats
-        mark = (time.perf_counter(), stats.fetch_s, stats.stage_s)
+        mark = stats.mark()
         if self._last_t is not None:  # (an epoch's first batch is its start-up: not judged)
             self._stage.asked(mark)
         try:
@@ -295,10 +295,7 @@ class _Epoch:
                     if trace is not None:
                         trace.add("fetch", int(t0 * 1e9), int(t1 * 1e9), "gpufeed", batch=index)
                 self._taken += 1
-                try:
-                    copied = stage.copy(hb)
-                except StopIteration as exc:  # (a transform's): an error, not the end of the epoch (PEP 479)
-                    raise RuntimeError("the transform (or a batch's .to()) raised StopIteration") from exc
+                copied = stage.copy(hb)
                 self._ahead.append(copied)  # (after the copy: a close() meanwhile finds it in the deque)
                 if trace is not None:
                     trace.add("copy", int(t1 * 1e9), time.perf_counter_ns(), "gpufeed", batch=index)
@@ -322,22 +319,12 @@ class _Epoch:
         return batch
 
     def _account(self, mark: tuple[float, float, float], handed: bool = False) -> None:
-        """Count the time since ``mark`` (its time, ``fetch_s`` and ``stage_s`` then) as the loop's wait, or
-        as start-up for an epoch's first batch; on the CPU, the verdict's wait too."""
-        now = time.perf_counter()
-        stats = self._stats
-        t0 = mark[0]
-        if self._last_t is None:  # the pipeline starting up: not a wait of the training loop
-            stats.startup_s += now - t0
-        else:
-            stats.wait_s += now - t0
-            stats.wall_s += now - self._last_t
-            if handed and not self._stage.cuda:  # (not the call that finds the end: no step follows)
-                stats.span_s += now - self._last_t
-                stats.waited(now - t0, fetch=stats.fetch_s - mark[1], stage=stats.stage_s - mark[2])
-        self._last_t = now
+        """The loop's wait since ``mark`` (``PrefetchStats.served``); on the CPU the verdict judges the calls
+        that handed a batch over (not the one that finds the end: no step follows it)."""
+        self._last_t = self._stats.served(mark, self._last_t, handed and not self._stage.cuda)
         if self._pf._trace is not None:
-            self._pf._trace.add("wait", int(t0 * 1e9), int(now * 1e9), "consumer", batch=stats.batches)
+            self._pf._trace.add("wait", int(mark[0] * 1e9), int(self._last_t * 1e9), "consumer",
+                                batch=self._stats.batches)
 
     def close(self, reason: str = "closed") -> None:
         """End this epoch now: the loader's iterator closes, and the batches taken ahead are dropped."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -158,6 +159,26 @@ class PrefetchStats:
         self.copy_s += copy_s
         self.timed_bytes += timed_bytes
         self.slot_batches += slot_batches
+
+    def mark(self) -> tuple[float, float, float]:
+        """When the loop asks for a batch, with ``fetch_s`` and ``stage_s`` then (see :meth:`served`)."""
+        return (time.perf_counter(), self.fetch_s, self.stage_s)
+
+    def served(self, mark: tuple[float, float, float], last: float | None, judged: bool) -> float:
+        """Count the time since ``mark`` as the loop's wait (``last``: when the loop got its previous batch),
+        or as start-up for an epoch's first batch (``last`` None); ``judged``: on the CPU, a wait the verdict
+        reads too (a batch handed over, a step following). Returns now, the next call's ``last``."""
+        now = time.perf_counter()
+        t0 = mark[0]
+        if last is None:  # the pipeline starting up: not a wait of the training loop
+            self.startup_s += now - t0
+        else:
+            self.wait_s += now - t0
+            self.wall_s += now - last
+            if judged:
+                self.span_s += now - last
+                self.waited(now - t0, fetch=self.fetch_s - mark[1], stage=self.stage_s - mark[2])
+        return now
 
     def waited(self, seconds: float, *, fetch: float = 0.0, stage: float = 0.0, copy: float = 0.0) -> None:
         """Count one batch's wait for data (``fetch + stage + copy <= seconds``; the rest is gpufeed's)."""

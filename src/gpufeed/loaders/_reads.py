@@ -173,10 +173,19 @@ class _Batch:
         return HostBatch(self.out, self._lease())
 
     def _lease(self) -> Callable[[Any], None] | None:
+        """The buffer's lease: returns it to the pool with the event of the copy that read it; a second
+        call does nothing (as a worker slot's lease)."""
         if self.buf is None:
             return None
-        pool, buf = self.pool, self.buf
-        return lambda event: pool.release(buf, event)
+        buf, self.buf = self.buf, None
+        released = []
+
+        def lease(event: Any) -> None:
+            if not released:
+                released.append(True)
+                self.pool.release(buf, event)
+
+        return lease
 
     def cancel(self) -> None:
         for fut in self.futures:
