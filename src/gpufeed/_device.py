@@ -384,9 +384,9 @@ class _Streams:
         return self._current
 
     def enter_copy(self) -> int:
-        """Make the copy stream (and its device) current; returns the device that was current."""
+        """Make the copy stream (and its device) current; returns the device that was current. The caller
+        looked the loop's stream up for this batch (:meth:`current`): :meth:`leave_copy` restores it."""
         device = self._get_device()
-        self.current()
         self._make_copy_current()
         return device
 

@@ -1,7 +1,7 @@
 """Threads of the pipeline: waits that give up once a stop flag is set, and errors that cross threads.
 
-Every blocking wait of gpufeed (a reader's result, a pinned buffer to come back) goes through
-:func:`wait` or :func:`result`, so that a stop flag set by ``close()``, ``break`` or the garbage collector
+Every blocking wait of gpufeed (a reader's result, a pinned buffer to come back) checks a stop flag
+(:func:`result`, :func:`check`), so that a stop flag set by ``close()``, ``break`` or the garbage collector
 ends it within :data:`POLL_S`.
 """
 
@@ -52,12 +52,6 @@ class Failure:
 def check(stop: threading.Event | None) -> None:
     if stop is not None and stop.is_set():
         raise Stopped
-
-
-def wait(done: Callable[[float], bool], stop: threading.Event | None) -> None:
-    """Call ``done(timeout)`` until it returns True, raising :class:`Stopped` once ``stop`` is set."""
-    while not done(POLL_S):
-        check(stop)
 
 
 def result(fut: Any, stop: threading.Event | None, swallow: bool = False) -> Any:
