@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -9,6 +10,17 @@ import re
 from pathlib import Path
 
 import torch
+
+
+def parser(doc: str | None, name: str, smoke_help: str = "tiny sizes, CPU by default: checks it runs"
+           ) -> argparse.ArgumentParser:
+    """An argument parser with the options every benchmark takes: ``--out``, ``--device``, ``--smoke``."""
+    p = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
+                   help=f"folder for {name}-<card>.* (default: benchmarks/results)")
+    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available; cpu with --smoke)")
+    p.add_argument("--smoke", action="store_true", help=smoke_help)
+    return p
 
 
 def pick_device(name: str | None, smoke: bool) -> torch.device:

@@ -52,7 +52,6 @@ and ``.png`` (each row's steps/s over the ideal's).
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import gc
 import itertools
@@ -73,7 +72,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common and bench_grid, also when loaded by a test
-from _common import card_name, pick_device, run_info, save_results, targets_table
+from _common import card_name, parser, pick_device, run_info, save_results, targets_table
 from bench_grid import SpdlTransfer, TntPrefetcher, free_host_cache, to_device
 
 try:
@@ -119,13 +118,8 @@ class Config:
 
 
 def parse_args(argv: list[str] | None) -> Config:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
-                   help="folder for loops-<card>.json/.md/.png (default: benchmarks/results)")
-    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available; cpu with --smoke)")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny models and batches, 1 worker, 1 short round, 1 CPU thread; CPU by default: "
-                        "checks it runs")
+    p = parser(__doc__, "loops", "tiny models and batches, 1 worker, 1 short round, 1 CPU thread; CPU by "
+                                 "default: checks it runs")
     p.add_argument("--steps", default=",".join(STEPS), help=f"training steps (default {','.join(STEPS)})")
     p.add_argument("--feeds", default="*",
                    help="comma-separated feed names or fnmatch patterns, e.g. 'list-*,dl8-pin1-*' "

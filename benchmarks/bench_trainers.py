@@ -31,7 +31,6 @@ A trainer that is not installed gets rows with an ``error``.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import sys
@@ -48,7 +47,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by a test
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from _common import card_name, pick_device, run_info, save_results
+from _common import card_name, parser, pick_device, run_info, save_results
 
 from gpufeed import CudaPrefetcher
 
@@ -78,11 +77,7 @@ class Config:
 
 
 def parse_args(argv: list[str] | None) -> Config:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
-                   help="where trainers-<card>.{json,md} go (default benchmarks/results)")
-    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available; cpu with --smoke)")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: checks the script runs")
+    p = parser(__doc__, "trainers", "tiny sizes on the CPU: checks the script runs")
     p.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated subset of " +
                    ",".join(TRAINERS))
     p.add_argument("--features", type=int, help="floats a row (default 2048; smoke 32)")

@@ -25,7 +25,6 @@ median of ``--cost-rounds`` rounds).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -38,7 +37,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by a test
-from _common import card_name, pick_device, run_info, save_results
+from _common import card_name, parser, pick_device, run_info, save_results
 
 try:
     import gpufeed  # noqa: F401  (installed; else the checkout's src/ below)
@@ -231,10 +230,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> Config:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="tiny, on the CPU, seconds")
-    p.add_argument("--device", default=None)
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p = parser(__doc__, "verdict", "tiny, on the CPU, seconds")
     p.add_argument("--batches", type=int, default=60, help="batches an epoch")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch", type=int, default=64)
