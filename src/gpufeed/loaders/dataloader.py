@@ -16,6 +16,7 @@ from typing import Any
 from gpufeed._resumable import take_state, why_not_resumable
 from gpufeed.host_memory import HostBatch
 from gpufeed.host_memory.worker_arena import SlotBatch, WorkerArena
+from gpufeed.loaders._epochs import Epochs
 
 #: The version of the prefetcher's own state_dict (the wrapped loader's state sits inside it).
 STATE_VERSION = 1
@@ -40,7 +41,7 @@ def forward_set_epoch(loader: Any, epoch: int) -> None:
             fn(epoch)
 
 
-class LoaderAdapter:
+class LoaderAdapter(Epochs):
     """A wrapped loader's epochs as host batches, with the loader's state after each where it has one.
 
     Owns the epoch of the loader it wraps: an iteration that hands out a batch is an epoch, and the next
@@ -59,9 +60,8 @@ class LoaderAdapter:
         self._one_shot = isinstance(loader, Iterator)  # a generator: used up by one epoch
         self._iterated = False
         self.not_resumable = why_not_resumable(loader)
-        self.epoch = 0
-        self._chosen = False  # set_epoch chose the next iteration's epoch
-        self._started = False  # the current epoch handed out a batch: the next iteration is a new one
+        super().__init__()
+        self._iterating = 0  # the epoch of the iteration under way (or the next, or the one resumed in)
         self._resume: int | None = None  # the epoch to resume in, after load_state_dict
         self._end_state: Any = None  # the loader's state after its last iteration ended
 
@@ -78,19 +78,21 @@ class LoaderAdapter:
     @property
     def iteration_epoch(self) -> int:
         """The epoch of the current (or next) iteration."""
-        return self.epoch
+        return self._iterating
 
     def free_memory(self) -> None:
         """Nothing to free: the arena is the prefetcher's."""
 
     def set_epoch(self, epoch: int) -> None:
         """The next iteration's epoch; forwarded to the loader, its sampler and batch sampler."""
-        self.epoch, self._chosen = int(epoch), True
+        super().set_epoch(epoch)
+        self._iterating = self.epoch
         forward_set_epoch(self.source, self.epoch)
 
     def epoch_started(self) -> None:
         """The current iteration handed out its first batch."""
-        self._started, self._chosen, self._resume = True, False, None
+        self.begin_epoch(self._iterating)
+        self._resume = None
 
     def initial_state(self) -> Any:
         """The state before an iteration's first batch: None, the loader's own, taken when asked (asked
@@ -105,7 +107,7 @@ class LoaderAdapter:
         if last is None:
             last = self.source.state_dict()
         done = last is self._end_state  # (the epoch ended: a resumed run starts the next one)
-        return {"gpufeed": STATE_VERSION, "mode": "loader", "epoch": self.epoch + done, "loader": last}
+        return {"gpufeed": STATE_VERSION, "mode": "loader", "epoch": self._iterating + done, "loader": last}
 
     def load_prefetcher_state(self, state: dict[str, Any]) -> None:
         """Load the loader's state now; the next iteration resumes in the saved epoch."""
@@ -113,14 +115,12 @@ class LoaderAdapter:
         if self.not_resumable is not None:
             raise TypeError(f"cannot resume this loader: {self.not_resumable}")
         self.source.load_state_dict(state["loader"])
-        self.epoch = self._resume = int(state["epoch"])
-        self._chosen = self._started = False
+        self._iterating = self._resume = int(state["epoch"])
+        self.restart_at(self._resume)
 
     def host_batches(self, device: Any = None, arena: WorkerArena | None = None) -> Iterator[HostBatch]:
         """The next iteration's host batches (a new epoch, unless this one handed out nothing yet)."""
-        if self._resume is None and self._started and not self._chosen:
-            self.epoch += 1
-        self._started = False
+        self._iterating = self._resume if self._resume is not None else self.upcoming_epoch()
         if self._one_shot and self._iterated:
             warnings.warn(
                 f"gpufeed: the wrapped {type(self.source).__name__} is an iterator, used up by the first "

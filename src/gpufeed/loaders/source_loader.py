@@ -21,6 +21,7 @@ import torch.utils.data
 from gpufeed.host_memory import HostBatch, warn_pageable
 from gpufeed.host_memory.cpu_buffers import CpuBuffers
 from gpufeed.host_memory.pinned_pool import DEFAULT_PINNED_BUDGET, PinnedPool
+from gpufeed.loaders._epochs import Epochs
 
 if TYPE_CHECKING:
     from gpufeed.sources.base import BatchSource, Rows
@@ -30,7 +31,7 @@ STATE_VERSION = 1
 PREFETCHER_STATE_VERSION = 1
 
 
-class SourceLoader:
+class SourceLoader(Epochs):
     """Batches of a :class:`~gpufeed.BatchSource`: the rows of each batch, read by the prefetcher.
 
     The source-side counterpart of a ``DataLoader``: wrap it in a :class:`~gpufeed.CudaPrefetcher`,
@@ -105,9 +106,7 @@ class SourceLoader:
         self._iterating = (0, 0)  # (epoch, first batch) of the iteration a prefetcher runs
         self.config = dict(batch_size=batch_size, shuffle=shuffle, drop_last=bool(drop_last), seed=int(seed),
                            rank=rank, world_size=world_size, pad=bool(pad))
-        self.epoch = 0
-        self._epoch_set = False
-        self._started = False  # a batch of ``epoch`` was handed out: the next iteration is a new epoch
+        super().__init__()
         self._resume: tuple[int, int] | None = None
         self._pos = (0, 0)  # (epoch, batches yielded in it) of direct iteration, or the resume point
 
@@ -128,19 +127,6 @@ class SourceLoader:
         c = self.config
         return len(plan_batches(len(self.source), c["batch_size"], drop_last=c["drop_last"], rank=c["rank"],
                                 world_size=c["world_size"], pad=c["pad"]))
-
-    def set_epoch(self, epoch: int) -> None:
-        """Set the epoch (the shuffle) of the next iteration."""
-        self.epoch, self._epoch_set = int(epoch), True
-
-    def upcoming_epoch(self) -> int:
-        """The epoch the next iteration reads: a new one once a batch of the current one was handed out,
-        unless :meth:`set_epoch` chose one."""
-        return self.epoch + 1 if self._started and not self._epoch_set else self.epoch
-
-    def begin_epoch(self, epoch: int) -> None:
-        """A batch of ``epoch`` was handed out: it is the current epoch, and the next iteration a new one."""
-        self.epoch, self._started, self._epoch_set = epoch, True, False
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         """The next epoch's batches on the host (without a prefetcher: the loop's thread reads them)."""
