@@ -197,6 +197,7 @@ def clock(monkeypatch):
     monkeypatch.setattr(starvation, "_query", c.query)
     monkeypatch.setattr(starvation, "_elapsed", c.elapsed)
     monkeypatch.setattr(starvation.GpuWaits, "_take", lambda self: _Event())
+    monkeypatch.setattr(starvation, "FULL_BATCHES", 10**9)  # every batch measured (sampling: its own test)
     return c
 
 
@@ -236,6 +237,28 @@ def test_a_gpu_bound_batch_costs_one_event_and_three_queries(clock):
     assert stats.waited_batches == 96 and stats.waited_s == 0.0  # (two behind, one the span's start)
     meter.refresh()
     assert clock.calls["elapsed"] == 1 and stats.span_s == pytest.approx(0.96)  # (97th: the GPU is at 98)
+
+
+def test_past_the_first_batches_one_in_sample_is_measured_and_stands_for_those_between(clock, monkeypatch):
+    """After ``FULL_BATCHES``, about one batch in ``SAMPLE`` records events; each measured batch's wait
+    counts for the batches since the one measured before, so the totals still estimate every batch's:
+    here each 10 ms period waits 3 ms for its copy, 2000 batches."""
+    monkeypatch.setattr(starvation, "FULL_BATCHES", 64)
+    stats = PrefetchStats(device="cuda")
+    meter = starvation.GpuWaits(stats)
+    meter.new_epoch()
+    n = 2000
+    for k in range(1, n + 1):
+        t = 0.01 * k
+        _batch(meter, clock, asked=t, handed=t, copied=t + 0.003, gpu_now=t - 0.02)
+    clock.now = 1e3
+    meter.refresh()
+    measured = clock.calls["record"]
+    assert 64 + (n - 64) / starvation.SAMPLE * 0.8 < measured < 64 + (n - 64) / starvation.SAMPLE * 1.2
+    assert n - 2 * starvation.SAMPLE < stats.waited_batches <= n - 1  # (up to the last measured batch)
+    assert stats.waited_s == pytest.approx(stats.waited_batches * 0.003)
+    assert stats.span_s == pytest.approx(stats.waited_batches * 0.01)
+    assert stats.starved_fraction == pytest.approx(0.3)
 
 
 def test_gpu_idle_while_the_loader_fetches_is_the_loader_s(clock):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import random
 import threading
 import time
 from typing import Any, NamedTuple
@@ -17,6 +18,11 @@ _record, _query, _elapsed = _Base.record, _Base.query, _Base.elapsed_time
 
 #: Batches read a call while the readings keep up; more while they catch up.
 _COLLECT, _BACKLOG = 1, 16
+#: Every batch is measured until this many were; after, one in ``SAMPLE`` on average, at random gaps
+#: (1 to ``2 * SAMPLE - 1`` batches: random, so that no loader's period lines up with them). A measured
+#: batch costs the loop's thread a few event calls (about 20 us on an H200); one in 16 costs about 1 us a
+#: batch (docs/design.md, "The verdict").
+FULL_BATCHES, SAMPLE = 64, 16
 
 
 class _Pending(NamedTuple):
@@ -25,6 +31,7 @@ class _Pending(NamedTuple):
     copied: Any  # the batch's copy event, or None where it had completed by the hand-over (or there is none)
     stream: Any  # the loop's stream
     epoch: int
+    index: int  # the call's number: a measured batch stands for the calls since the one measured before
     fetch: float  # shares of the thread's time in that next(): the loader's next(), staging
     stage: float
 
@@ -52,6 +59,10 @@ class GpuWaits:
     the ``asked`` of the call that issued it and the step, so a call that issued one records ``handed``
     and the stream's time on the copy is in its ``handed - asked``.
 
+    Measuring is sampled (``FULL_BATCHES``, ``SAMPLE``): a measured batch's wait stands for the batches
+    since the one measured before it in its epoch, so ``waited_s`` and ``waited_batches`` estimate every
+    batch's, and the span runs between measured batches.
+
     Invariants: nothing here waits for the GPU on the loop's thread: events are read only once a later
     event of the same stream has completed (the stream waited on the batch's ``copied`` before it), at
     most a few a call; :meth:`refresh` reads what the GPU has reached, :meth:`close` waits for the rest.
@@ -67,8 +78,10 @@ class GpuWaits:
         self._pending: collections.deque[_Pending] = collections.deque()
         self._asked: tuple[Any, tuple[float, float, float]] | None = None
         self._epoch = 0
-        self._first: tuple[Any, float, int] | None = None  # (asked, wait, epoch) of the epoch's span start
-        self._last: tuple[Any, float] | None = None
+        self._calls = 0  # asked() calls so far
+        self._next = 0  # the call measured next
+        self._first: tuple[Any, float, int, int] | None = None  # (asked, wait, epoch, index): the span's start
+        self._last: tuple[Any, float, int] | None = None  # (asked, wait, index) of the span's end
         self._closed_span = 0.0
         self._lock = threading.Lock()
 
@@ -82,18 +95,24 @@ class GpuWaits:
 
     def asked(self, stream: Any, mark: tuple[float, float, float]) -> None:
         """``next()`` started (``mark``: its time, and the stats' ``fetch_s`` and ``stage_s`` then)."""
-        event = self._take()
-        _record(event, stream)
+        self.inline = False
         if self._asked is not None:  # a call that handed nothing over (the end, an error)
             self._free.append(self._asked[0])
-        self._asked = (event, mark)
-        self.inline = False
+            self._asked = None
+        index = self._calls
+        self._calls = index + 1
+        if index < self._next:  # not measured
+            return
+        self._next = index + (1 if index < FULL_BATCHES else random.randint(1, 2 * SAMPLE - 1))
+        event = self._take()
+        _record(event, stream)
+        self._asked = (event, mark, index)
 
     def handed(self, stream: Any, copied: Any) -> None:
         """The batch is handed over on ``stream``, which is about to wait on ``copied``."""
-        if self._asked is None:  # an epoch's first batch
+        if self._asked is None:  # an epoch's first batch, or a batch not measured
             return
-        asked, (t0, fetch0, stage0) = self._asked
+        asked, (t0, fetch0, stage0), index = self._asked
         self._asked = None
         if copied is not None and _query(copied):  # done before the stream could be ready: no copy wait
             copied = None
@@ -105,7 +124,7 @@ class GpuWaits:
         stats = self.stats
         fetch = (stats.fetch_s - fetch0) / dt if dt > 0 else 0.0
         stage = (stats.stage_s - stage0) / dt if dt > 0 else 0.0
-        self._pending.append(_Pending(asked, handed, copied, stream, self._epoch, fetch, stage))
+        self._pending.append(_Pending(asked, handed, copied, stream, self._epoch, index, fetch, stage))
         if self._lock.acquire(blocking=False):  # (else a refresh on another thread reads them)
             try:
                 self._collect(_COLLECT if len(self._pending) < _BACKLOG else 2 * _COLLECT, keep=1)
@@ -151,12 +170,15 @@ class GpuWaits:
             self._free.append(p.handed)
         if self._first is None or self._first[2] != p.epoch:
             self._close_epoch()
-            self._first = (p.asked, wait, p.epoch)
+            self._first = (p.asked, wait, p.epoch, p.index)
             return
+        before = self._first[3] if self._last is None else self._last[2]
         if self._last is not None:
             self._free.append(self._last[0])
-        self._last = (p.asked, wait)
-        self.stats.waited(wait, fetch=idle * p.fetch, stage=idle * p.stage, copy=wait - idle)
+        self._last = (p.asked, wait, p.index)
+        n = p.index - before  # the batches this one stands for
+        self.stats.waited(wait * n, fetch=idle * p.fetch * n, stage=idle * p.stage * n, copy=(wait - idle) * n,
+                          batches=n)
 
     def _open_span(self) -> float:
         if self._first is None or self._last is None:

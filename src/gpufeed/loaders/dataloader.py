@@ -8,7 +8,7 @@ collate into the prefetcher's worker arena (pinned shared memory), where one is 
 from __future__ import annotations
 
 import gc
-import multiprocessing
+import os
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -20,6 +20,25 @@ from gpufeed.loaders._epochs import Epochs
 
 #: The version of the prefetcher's own state_dict (the wrapped loader's state sits inside it).
 STATE_VERSION = 1
+
+#: Iterations starting their workers now (from ``iter()`` to the first batch). A process forked meanwhile
+#: is one of their workers: it freezes the collector's objects it inherited, first thing
+#: (:func:`_freeze_inherited`).
+_starting = 0
+
+
+def _freeze_inherited() -> None:
+    """In a worker forked while an iteration starts: freeze every object inherited from the main process.
+
+    The main process's unreachable cycles are copied into the worker; collected there, their CUDA objects
+    (an event, a device tensor, a block of pinned memory) would make a CUDA call in the child and abort
+    it. Frozen, the worker never collects them (nor dirties their pages). The main process's collector is
+    left as it is: a program's own ``gc.freeze()`` stays its own."""
+    if _starting:
+        gc.freeze()
+
+
+os.register_at_fork(after_in_child=_freeze_inherited)
 
 
 def has_workers(loader: Any) -> bool:
@@ -161,31 +180,29 @@ def _batches(loader: Any, arena: WorkerArena | None) -> Iterator[HostBatch]:
 
     While the iteration starts its workers (at ``iter()`` for a DataLoader, at the first ``next()`` for a
     wrapper that iterates one lazily, as accelerate's do), the DataLoader's ``collate_fn`` is the arena's,
-    and the garbage collector's objects are frozen (``gc.freeze``): a worker forked meanwhile never
-    collects this process's unreachable cycles, whose CUDA objects (an event, a tensor a stream used) would
-    make a CUDA call in the child and abort it. Both end when the first batch arrives."""
+    and a process forked meanwhile, a worker, freezes the objects it inherited (:func:`_freeze_inherited`).
+    Both end when the first batch arrives."""
     inner = _workers_of(loader)
     collate = arena.begin(inner) if arena is not None and has_workers(inner) else None
     original = getattr(inner, "collate_fn", None)
     if collate is not None:
         inner.collate_fn = collate
-    # (where the program froze objects of its own, its permanent generation is left as it is: thawing
-    # ours would thaw them too)
-    frozen = _forks_workers(inner) and gc.get_freeze_count() == 0
-    if frozen:
-        gc.freeze()
+    global _starting
+    starting = has_workers(inner)
+    if starting:
+        _starting += 1
     it = None
     try:
         it = iter(loader)
         for batch in it:
-            frozen = _started(frozen, inner, collate, original)
+            starting = _started(starting, inner, collate, original)
             if type(batch) is SlotBatch:
                 views, rebuild, lease = arena.open(batch)
                 yield HostBatch(rebuild(views), lease)
             else:
                 yield HostBatch(batch)
     finally:  # the iterator ends now (a DataLoader shuts its workers down), before the arena is reused
-        _started(frozen, inner, collate, original)
+        _started(starting, inner, collate, original)
         close = getattr(it, "close", None)
         if close is not None:
             close()
@@ -200,28 +217,14 @@ def _batches(loader: Any, arena: WorkerArena | None) -> Iterator[HostBatch]:
             arena.end()
 
 
-def _started(frozen: bool, inner: Any, collate: Any, original: Any) -> bool:
-    """The workers started: the loader's own collate_fn back, the collector's objects unfrozen."""
+def _started(starting: bool, inner: Any, collate: Any, original: Any) -> bool:
+    """The workers started: the loader's own collate_fn back, forks no longer its workers'."""
+    global _starting
     if collate is not None and inner.collate_fn is collate:
         inner.collate_fn = original
-    if frozen:
-        gc.unfreeze()
+    if starting:
+        _starting -= 1
     return False
-
-
-def _forks_workers(loader: Any) -> bool:
-    """Whether iterating ``loader`` forks worker processes now (a DataLoader whose workers start by fork,
-    unless persistent ones run already)."""
-    if not has_workers(loader):
-        return False
-    if loader.persistent_workers and getattr(loader, "_iterator", None) is not None:
-        return False
-    ctx = loader.multiprocessing_context
-    if ctx is not None:
-        return ctx.get_start_method() == "fork"
-    # Not set yet: the platform's default, which asking for the start method would also fix.
-    method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
-    return method == "fork"
 
 
 def _workers_of(loader: Any) -> Any:
