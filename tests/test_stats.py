@@ -205,7 +205,7 @@ def _batch(meter, clock, *, asked, handed, copied, gpu_now, fetch_s=0.0):
     """One next(): asked at ``asked`` on the GPU's clock; at the hand-over the GPU has run to ``gpu_now``
     (``handed`` is when the hand-over's event would complete), the copy completes at ``copied``."""
     clock.at, clock.now = asked, gpu_now
-    meter.asked("s", (time.perf_counter() - 1.0, meter.stats.fetch_s, 0.0))
+    meter.asked(lambda: "s", (time.perf_counter() - 1.0, meter.stats.fetch_s, 0.0))
     meter.stats.fetch_s += fetch_s
     clock.at = handed
     meter.handed("s", _Event(copied))
@@ -304,7 +304,7 @@ def test_the_call_that_finds_the_end_pairs_with_no_batch_of_the_next_epoch(clock
     for k in range(1, 12):
         _batch(meter, clock, asked=0.01 * k, handed=0.01 * k, copied=-1.0, gpu_now=0.01 * k)
     clock.at = 0.5
-    meter.asked("s", (time.perf_counter(), 0.0, 0.0))  # the call that finds the end
+    meter.asked(lambda: "s", (time.perf_counter(), 0.0, 0.0))  # the call that finds the end
     meter.new_epoch()
     clock.at, clock.now = 60.0, 60.0  # a validation pass later: the next epoch's first hand-over
     meter.handed("s", _Event(59.0))

@@ -34,7 +34,7 @@ class DeviceBatch(NamedTuple):
     event: Any  # torch.cuda.Event, or None on the CPU
     state: Any
     stream: Any  # the stream the batch's device tensors were allocated on (the consumer's then)
-    fresh: list[torch.Tensor]  # those device tensors
+    fresh: list[torch.Tensor] | None  # those device tensors (None: every device tensor of ``batch``)
 
 
 class DeviceStage:
@@ -122,9 +122,12 @@ class DeviceStage:
         for i, t in enumerate(leaves):
             if not isinstance(t, torch.Tensor):  # a batch type that moves itself: on the loop's stream, in
                 out[i] = _to(t, device)  # its order, as torch's pin-memory loop and `.to()` would
+            elif not t.is_cuda:  # (is_cuda first: a tensor's .device makes a new object at every call)
+                nbytes += t.nbytes
+                (pinned if t.is_pinned() else pageable).append(i)
             elif t.device != device:  # (a tensor already there, read by a source to the device, stays)
                 nbytes += t.nbytes
-                (pinned if t.is_cuda or t.is_pinned() else pageable).append(i)
+                pinned.append(i)
         self.stats.bytes += nbytes
         self._count += 1
         consumer = self.streams.current()
@@ -180,8 +183,7 @@ class DeviceStage:
         self.stats.loop_stream_batches += 1
         if self.meter is not None:
             self.meter.inline = True
-        fresh = [t for t in out if isinstance(t, torch.Tensor) and t.device == device]
-        return DeviceBatch(batch, None, hb.state, consumer, fresh)
+        return DeviceBatch(batch, None, hb.state, consumer, None)  # (its device tensors: found if needed)
 
     def _issue(self, consumer: Any, copies: list[tuple[torch.Tensor, torch.Tensor]],
                jobs: list[Callable[[], None]]) -> tuple[Any, Any]:
@@ -259,7 +261,7 @@ class DeviceStage:
     def asked(self, mark: tuple[float, float, float]) -> None:
         """The loop asked for its next batch (``mark``: when, and ``fetch_s``, ``stage_s`` then)."""
         if self.meter is not None:
-            self.meter.asked(self.streams.current(), mark)
+            self.meter.asked(self.streams.current, mark)
 
     def hand_over(self, item: DeviceBatch) -> Any:
         """The batch, once the consumer's current stream waits on its copies."""
@@ -275,7 +277,10 @@ class DeviceStage:
         if stream is not item.stream:  # the loop switched streams since: guard the memory on this one too
             if item.event is None:
                 stream.wait_stream(item.stream)
-            for t in item.fresh:
+            fresh = item.fresh
+            if fresh is None:
+                fresh = [t for t in flatten(item.batch)[0] if isinstance(t, torch.Tensor) and t.is_cuda]
+            for t in fresh:
                 t.record_stream(stream)
         return item.batch
 

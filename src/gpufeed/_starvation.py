@@ -6,6 +6,7 @@ import collections
 import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -80,7 +81,7 @@ class GpuWaits:
         self._epoch = 0
         self._calls = 0  # asked() calls so far
         self._next = 0  # the call measured next
-        self._first: tuple[Any, float, int, int] | None = None  # (asked, wait, epoch, index): the span's start
+        self._first: tuple[Any, float, int, int] | None = None  # (asked, wait, epoch, index): span start
         self._last: tuple[Any, float, int] | None = None  # (asked, wait, index) of the span's end
         self._closed_span = 0.0
         self._lock = threading.Lock()
@@ -93,8 +94,9 @@ class GpuWaits:
             self._free.append(self._asked[0])
             self._asked = None
 
-    def asked(self, stream: Any, mark: tuple[float, float, float]) -> None:
-        """``next()`` started (``mark``: its time, and the stats' ``fetch_s`` and ``stage_s`` then)."""
+    def asked(self, current: Callable[[], Any], mark: tuple[float, float, float]) -> None:
+        """``next()`` started (``mark``: its time, and the stats' ``fetch_s`` and ``stage_s`` then);
+        ``current()`` is the loop's stream, looked up only for a batch measured."""
         self.inline = False
         if self._asked is not None:  # a call that handed nothing over (the end, an error)
             self._free.append(self._asked[0])
@@ -105,7 +107,7 @@ class GpuWaits:
             return
         self._next = index + (1 if index < FULL_BATCHES else random.randint(1, 2 * SAMPLE - 1))
         event = self._take()
-        _record(event, stream)
+        _record(event, current())
         self._asked = (event, mark, index)
 
     def handed(self, stream: Any, copied: Any) -> None:
@@ -177,8 +179,8 @@ class GpuWaits:
             self._free.append(self._last[0])
         self._last = (p.asked, wait, p.index)
         n = p.index - before  # the batches this one stands for
-        self.stats.waited(wait * n, fetch=idle * p.fetch * n, stage=idle * p.stage * n, copy=(wait - idle) * n,
-                          batches=n)
+        self.stats.waited(wait * n, fetch=idle * p.fetch * n, stage=idle * p.stage * n,
+                          copy=(wait - idle) * n, batches=n)
 
     def _open_span(self) -> float:
         if self._first is None or self._last is None:
