@@ -227,38 +227,41 @@ def test_gpu_bound_steps_wait_for_nothing(clock):
 
 
 def test_a_gpu_bound_batch_costs_one_event_and_three_queries(clock):
-    """The GPU two steps behind, every copy done by its hand-over: no elapsed time is read a batch."""
+    """The GPU two steps behind, every copy done by its hand-over: one event, a few queries and one
+    elapsed time (its period) a batch."""
     stats = PrefetchStats(device="cuda")
     meter = starvation.GpuWaits(stats)
     meter.new_epoch()
     for k in range(1, 101):
         _batch(meter, clock, asked=0.01 * k, handed=0.01 * k, copied=-1.0, gpu_now=0.01 * (k - 2))
-    assert clock.calls["record"] == 100 and clock.calls["query"] <= 300 and clock.calls["elapsed"] == 0
+    assert clock.calls["record"] == 100 and clock.calls["query"] <= 300 and clock.calls["elapsed"] <= 100
     assert stats.waited_batches == 96 and stats.waited_s == 0.0  # (two behind, one the span's start)
     meter.refresh()
-    assert clock.calls["elapsed"] == 1 and stats.span_s == pytest.approx(0.96)  # (97th: the GPU is at 98)
+    assert stats.span_s == pytest.approx(0.96)  # (97th: the GPU is at 98)
 
 
-def test_past_the_first_batches_one_in_sample_is_measured_and_stands_for_those_between(clock, monkeypatch):
-    """After ``FULL_BATCHES``, about one batch in ``SAMPLE`` records events; each measured batch's wait
-    counts for the batches since the one measured before, so the totals still estimate every batch's:
-    here each 10 ms period waits 3 ms for its copy, 2000 batches."""
+def test_past_the_first_batches_pairs_are_measured_about_one_in_sample(clock, monkeypatch):
+    """After ``FULL_BATCHES``, two consecutive batches about every ``SAMPLE`` record events: the second's
+    wait and period are counted, so the share stays the waits' share of the periods: here each 10 ms
+    period waits 3 ms for its copy, over 4000 batches; every 16th period waits 8 ms instead, which random
+    gaps sample without aliasing."""
     monkeypatch.setattr(starvation, "FULL_BATCHES", 64)
     stats = PrefetchStats(device="cuda")
     meter = starvation.GpuWaits(stats)
     meter.new_epoch()
-    n = 2000
+    n, t = 4000, 0.0
     for k in range(1, n + 1):
-        t = 0.01 * k
-        _batch(meter, clock, asked=t, handed=t, copied=t + 0.003, gpu_now=t - 0.02)
+        w = 0.008 if k % 16 == 0 else 0.003
+        _batch(meter, clock, asked=t, handed=t, copied=t + w, gpu_now=t - 0.02)
+        t += w + 0.007
     clock.now = 1e3
     meter.refresh()
-    measured = clock.calls["record"]
-    assert 64 + (n - 64) / starvation.SAMPLE * 0.8 < measured < 64 + (n - 64) / starvation.SAMPLE * 1.2
-    assert n - 2 * starvation.SAMPLE < stats.waited_batches <= n - 1  # (up to the last measured batch)
-    assert stats.waited_s == pytest.approx(stats.waited_batches * 0.003)
-    assert stats.span_s == pytest.approx(stats.waited_batches * 0.01)
-    assert stats.starved_fraction == pytest.approx(0.3)
+    pairs = (n - 64) / (starvation.SAMPLE + 1)
+    assert 64 + 2 * pairs * 0.8 < clock.calls["record"] < 64 + 2 * pairs * 1.2
+    assert 63 + pairs * 0.8 < stats.waited_batches < 63 + pairs * 1.2
+    truth = (15 * 0.003 + 0.008) / (15 * 0.010 + 0.013)
+    assert stats.starved_fraction == pytest.approx(truth, rel=0.1)
+    assert stats.step_us == pytest.approx(7000)
 
 
 def test_gpu_idle_while_the_loader_fetches_is_the_loader_s(clock):
@@ -357,7 +360,7 @@ def _gpu_run(loader, step_ms, epochs=1, **kw):
 def test_cuda_a_gpu_bound_loop_with_a_fast_loader_is_not_input_bound():
     data = [torch.randn(64, 64).pin_memory() for _ in range(40)]
     s = _gpu_run(data, step_ms=5, epochs=2)
-    assert s.waited_batches >= 2 * 36 and s.starved_fraction < 0.03, s.summary()
+    assert s.waited_batches >= 64 - 2 and s.starved_fraction < 0.03, s.summary()  # (the first 64: all)
     assert s.verdict().label == "ok" and s.step_us > 4000, s.summary()
 
 

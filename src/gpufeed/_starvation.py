@@ -19,11 +19,11 @@ _record, _query, _elapsed = _Base.record, _Base.query, _Base.elapsed_time
 
 #: Batches read a call while the readings keep up; more while they catch up.
 _COLLECT, _BACKLOG = 1, 16
-#: Every batch is measured until this many were; after, one in ``SAMPLE`` on average, at random gaps
-#: (1 to ``2 * SAMPLE - 1`` batches: random, so that no loader's period lines up with them). A measured
-#: batch costs the loop's thread a few event calls (about 20 us on an H200); one in 16 costs about 1 us a
-#: batch (docs/design.md, "The verdict").
-FULL_BATCHES, SAMPLE = 64, 16
+#: Every batch is measured until this many were; after, two consecutive batches (a wait and the period
+#: it lies in) about every ``SAMPLE``, at random gaps (1 to ``2 * SAMPLE - 1`` batches: random, so that no
+#: loader's period lines up with them). A measured batch costs the loop's thread a few event calls (about
+#: 20 us on an H200); a pair in 32 costs about 1 us a batch (docs/design.md, "The verdict").
+FULL_BATCHES, SAMPLE = 64, 32
 
 
 class _Pending(NamedTuple):
@@ -60,16 +60,16 @@ class GpuWaits:
     the ``asked`` of the call that issued it and the step, so a call that issued one records ``handed``
     and the stream's time on the copy is in its ``handed - asked``.
 
-    Measuring is sampled (``FULL_BATCHES``, ``SAMPLE``): a measured batch's wait stands for the batches
-    since the one measured before it in its epoch, so ``waited_s`` and ``waited_batches`` estimate every
-    batch's, and the span runs between measured batches.
+    A batch measured right after the one before it is counted: its wait, and its period, from the step
+    before it to its own, ``elapsed(before.asked, asked) + wait - before.wait`` (``stats.span_s`` sums the
+    periods). An epoch's first batch is its start-up, never counted. Past ``FULL_BATCHES`` the batches are
+    measured in such pairs, one in about ``SAMPLE``: ``waited_s / span_s`` is then the waits' share of the
+    periods sampled, at most 1, and ``waited_batches`` the batches counted.
 
     Invariants: nothing here waits for the GPU on the loop's thread: events are read only once a later
     event of the same stream has completed (the stream waited on the batch's ``copied`` before it), at
     most a few a call; :meth:`refresh` reads what the GPU has reached, :meth:`close` waits for the rest.
-    An epoch's span runs from its second batch's step to its last's,
-    ``elapsed(first.asked, last.asked) + last.wait - first.wait``; the first one's wait lies before it and
-    is not counted. Events are reused from a free list once read.
+    Events are reused from a free list once read.
     """
 
     def __init__(self, stats: PrefetchStats) -> None:
@@ -81,9 +81,8 @@ class GpuWaits:
         self._epoch = 0
         self._calls = 0  # asked() calls so far
         self._next = 0  # the call measured next
-        self._first: tuple[Any, float, int, int] | None = None  # (asked, wait, epoch, index): span start
-        self._last: tuple[Any, float, int] | None = None  # (asked, wait, index) of the span's end
-        self._closed_span = 0.0
+        self._second = False  # the next call measured ends a sampled pair
+        self._before: tuple[Any, float, int, int] | None = None  # (asked, wait, epoch, index): last counted
         self._lock = threading.Lock()
 
     def new_epoch(self) -> None:
@@ -105,7 +104,12 @@ class GpuWaits:
         self._calls = index + 1
         if index < self._next:  # not measured
             return
-        self._next = index + (1 if index < FULL_BATCHES else random.randint(1, 2 * SAMPLE - 1))
+        if index < FULL_BATCHES or not self._second:  # (a pair's first batch: the next one is measured too)
+            self._next = index + 1
+            self._second = index >= FULL_BATCHES
+        else:
+            self._next = index + random.randint(1, 2 * SAMPLE - 1)
+            self._second = False
         event = self._take()
         _record(event, current())
         self._asked = (event, mark, index)
@@ -134,10 +138,9 @@ class GpuWaits:
                 self._lock.release()
 
     def refresh(self) -> None:
-        """Read every batch the GPU has reached; bring ``stats.span_s`` up to date."""
+        """Read every batch the GPU has reached."""
         with self._lock:
             self._collect(len(self._pending), keep=0)
-            self.stats.span_s = self._closed_span + self._open_span()
 
     def close(self) -> None:
         """Wait for the events still pending and read them (the prefetcher closes)."""
@@ -147,8 +150,6 @@ class GpuWaits:
                     if event is not None:
                         event.synchronize()
             self._collect(len(self._pending), keep=0)
-            self._close_epoch()
-            self.stats.span_s = self._closed_span
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -170,30 +171,15 @@ class GpuWaits:
         wait = max(idle, copy)
         if p.handed is not None:
             self._free.append(p.handed)
-        if self._first is None or self._first[2] != p.epoch:
-            self._close_epoch()
-            self._first = (p.asked, wait, p.epoch, p.index)
+        before, self._before = self._before, (p.asked, wait, p.epoch, p.index)
+        if before is None:
             return
-        before = self._first[3] if self._last is None else self._last[2]
-        if self._last is not None:
-            self._free.append(self._last[0])
-        self._last = (p.asked, wait, p.index)
-        n = p.index - before  # the batches this one stands for
-        self.stats.waited(wait * n, fetch=idle * p.fetch * n, stage=idle * p.stage * n,
-                          copy=(wait - idle) * n, batches=n)
-
-    def _open_span(self) -> float:
-        if self._first is None or self._last is None:
-            return 0.0
-        return _elapsed(self._first[0], self._last[0]) / 1e3 + self._last[1] - self._first[1]
-
-    def _close_epoch(self) -> None:
-        self._closed_span += self._open_span()
-        for kept in (self._first, self._last):
-            if kept is not None:
-                self._free.append(kept[0])
-        self._first = self._last = None
-        self.stats.span_s = self._closed_span
+        self._free.append(before[0])
+        if before[2] != p.epoch or before[3] + 1 != p.index:  # (an epoch's first, a sampled pair's first)
+            return
+        stats = self.stats
+        stats.span_s += _elapsed(before[0], p.asked) / 1e3 + wait - before[1]
+        stats.waited(wait, fetch=idle * p.fetch, stage=idle * p.stage, copy=wait - idle)
 
     def _take(self) -> Any:
         return self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)

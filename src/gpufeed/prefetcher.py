@@ -66,9 +66,9 @@ class CudaPrefetcher:
             pinned once, so the main process copies none of its bytes. ``None`` (default): on for a
             DataLoader with workers (or a callable returning one) on CUDA; ``True`` also on the CPU, where
             the batch is copied out of its slot; ``False``: batches cross as the DataLoader sends them.
-        measure: time how long the GPU waited for each batch, for ``stats``' verdict (default ``True``):
-            one CUDA event a batch on the loop's stream (two where the GPU already ran dry), read batches
-            later. ``False``: no events, and no verdict (the counters still count). On the CPU the
+        measure: time how long the GPU waited for its batches, for ``stats``' verdict (default ``True``):
+            CUDA events on the loop's stream for each of the first 64 batches, then for two batches in
+            about 32 (about 1 us a batch), read batches later. ``False``: no events, and no verdict (the counters still count). On the CPU the
             verdict reads the loop thread's own waits, which cost nothing; ``False`` only drops the
             verdict there. Not ``trace``: that records every stage for a trace file, off by default,
             while the verdict is what ``stats.summary()`` is for.

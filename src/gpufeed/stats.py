@@ -23,8 +23,9 @@ class PrefetchStats:
 
     * on CUDA, the GPU's waits: for each batch, how long the loop's stream was ready to run the step while
       the batch was not (CUDA events read batches later, never a synchronization; ``measure=False`` turns
-      them off). ``waited_s`` sums them over ``span_s``, the GPU's time from each epoch's second step to
-      its last;
+      them off). ``waited_s`` sums them over ``span_s``, the periods (step to step) of the batches timed:
+      every batch of the first 64, then consecutive pairs about one batch in 32 (so that measuring costs
+      the loop's thread about 1 us a batch);
     * on the CPU, the loop thread's waits in ``next()`` (``waited_s`` is ``wait_s``, ``span_s`` is
       ``wall_s``): there the loop's own time is the truth. A CPU run cannot show what a GPU would wait for
       its copies.
@@ -55,6 +56,7 @@ class PrefetchStats:
     bytes: int = 0
     wait_s: float = 0.0
     wall_s: float = 0.0
+    wall_calls: int = 0
     startup_s: float = 0.0
     fetch_s: float = 0.0
     stage_s: float = 0.0
@@ -102,6 +104,13 @@ class PrefetchStats:
         """The consumer's time a batch that was not a wait for data (its step), in microseconds."""
         self._update()
         return (self.span_s - self.waited_s) / self.waited_batches * 1e6 if self.waited_batches else 0.0
+
+    @property
+    def own_us(self) -> float:
+        """gpufeed's own time a ``next()`` call on the loop's thread, in microseconds: the call's time but
+        the loader's ``next()`` (``fetch_s``) and staging (``stage_s``)."""
+        own = self.wait_s - self.fetch_s - self.stage_s
+        return max(0.0, own) / self.wall_calls * 1e6 if self.wall_calls else 0.0
 
     @property
     def burst_share(self) -> float:
@@ -175,6 +184,7 @@ class PrefetchStats:
         else:
             self.wait_s += now - t0
             self.wall_s += now - last
+            self.wall_calls += 1
             if judged:
                 self.span_s += now - last
                 self.waited(now - t0, fetch=self.fetch_s - mark[1], stage=self.stage_s - mark[2])
@@ -214,7 +224,7 @@ class PrefetchStats:
             "verdict": v.label, "reason": v.reason, "next_step": v.next_step,
             "input_bound": int(v.label == "INPUT-BOUND"),
             "timeline": "gpu" if self.device == "cuda" else "loop thread",
-            "starved_fraction": self.starved_fraction, "step_us": self.step_us,
+            "starved_fraction": self.starved_fraction, "step_us": self.step_us, "own_us": self.own_us,
             "burst_share": self.burst_share, **{f"share_{k}": x for k, x in shares.items()},
             "stall_fraction": self.stall_fraction, "h2d_GBps": self.h2d_GBps, "stage_GBps": self.stage_GBps,
             "throughput_GBps": self.throughput_GBps,
