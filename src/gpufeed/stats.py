@@ -57,6 +57,7 @@ class PrefetchStats:
     wait_s: float = 0.0
     wall_s: float = 0.0
     wall_calls: int = 0
+    own_s: float = 0.0
     startup_s: float = 0.0
     fetch_s: float = 0.0
     stage_s: float = 0.0
@@ -109,8 +110,7 @@ class PrefetchStats:
     def own_us(self) -> float:
         """gpufeed's own time a ``next()`` call on the loop's thread, in microseconds: the call's time but
         the loader's ``next()`` (``fetch_s``) and staging (``stage_s``)."""
-        own = self.wait_s - self.fetch_s - self.stage_s
-        return max(0.0, own) / self.wall_calls * 1e6 if self.wall_calls else 0.0
+        return self.own_s / self.wall_calls * 1e6 if self.wall_calls else 0.0
 
     @property
     def burst_share(self) -> float:
@@ -185,6 +185,7 @@ class PrefetchStats:
             self.wait_s += now - t0
             self.wall_s += now - last
             self.wall_calls += 1
+            self.own_s += max(0.0, now - t0 - (self.fetch_s - mark[1]) - (self.stage_s - mark[2]))
             if judged:
                 self.span_s += now - last
                 self.waited(now - t0, fetch=self.fetch_s - mark[1], stage=self.stage_s - mark[2])
