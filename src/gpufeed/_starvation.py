@@ -22,8 +22,9 @@ _COLLECT, _BACKLOG = 1, 16
 #: Every batch is measured until this many were; after, two consecutive batches (a wait and the period
 #: it lies in) about every ``SAMPLE``, at random gaps (1 to ``2 * SAMPLE - 1`` batches: random, so that no
 #: loader's period lines up with them). A measured batch costs the loop's thread a few event calls (about
-#: 20 us on an H200); a pair in 32 costs about 1 us a batch (docs/design.md, "The verdict").
-FULL_BATCHES, SAMPLE = 64, 32
+#: 20 us on an H200); a pair in 64 costs well under the 2 us a batch measuring may cost (docs/design.md,
+#: "The verdict").
+FULL_BATCHES, SAMPLE = 64, 64
 
 
 class _Pending(NamedTuple):

@@ -24,7 +24,7 @@ class PrefetchStats:
     * on CUDA, the GPU's waits: for each batch, how long the loop's stream was ready to run the step while
       the batch was not (CUDA events read batches later, never a synchronization; ``measure=False`` turns
       them off). ``waited_s`` sums them over ``span_s``, the periods (step to step) of the batches timed:
-      every batch of the first 64, then consecutive pairs about one batch in 32 (so that measuring costs
+      every batch of the first 64, then consecutive pairs about one batch in 64 (so that measuring costs
       the loop's thread about 1 us a batch);
     * on the CPU, the loop thread's waits in ``next()`` (``waited_s`` is ``wait_s``, ``span_s`` is
       ``wall_s``): there the loop's own time is the truth. A CPU run cannot show what a GPU would wait for
