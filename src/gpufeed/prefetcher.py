@@ -69,9 +69,9 @@ class CudaPrefetcher:
         measure: time how long the GPU waited for its batches, for ``stats``' verdict (default ``True``):
             CUDA events on the loop's stream for each of the first 64 batches, then for two batches in
             about 64 (about 1 us a batch), read batches later. ``False``: no events, and no verdict (the
-            counters still count). On the CPU the verdict reads the loop thread's own waits, which cost nothing; ``False`` only drops the
-            verdict there. Not ``trace``: that records every stage for a trace file, off by default,
-            while the verdict is what ``stats.summary()`` is for.
+            counters still count). On the CPU the verdict reads the loop thread's own waits, which cost
+            nothing; ``False`` only drops the verdict there. Not ``trace``: that records every stage for a
+            trace file, off by default, while the verdict is what ``stats.summary()`` is for.
 
     Invariants: batches reach the loop in the loader's order, each once, an error in its batch's place;
     at most ``depth`` batches are taken from the loader ahead of the one the loop holds; the stream and
