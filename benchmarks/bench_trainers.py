@@ -9,7 +9,8 @@ The loop, the same for every trainer: an MLP (``--features`` -> ``--hidden`` x 2
 map-style dataset of random float32 rows (``--batch`` rows a batch: 8 MiB at the defaults), ``--workers``
 DataLoader workers. Each row: a fresh loader and trainer, ``--warmup`` untimed steps (the workers start
 there), then ``--steps`` timed ones, the device synchronized before the clock starts and stops;
-``--rounds`` rounds, and the row reports the median steps/s with the min and max.
+``--rounds`` rounds, a trainer's methods interleaved, and the row reports the median steps/s with the min
+and max.
 
 Rows (trainer / method):
 
@@ -328,26 +329,37 @@ RUNNERS: dict[str, Callable[[str, Config], float]] = {
     "accelerate": run_accelerate, "lightning": run_lightning, "hf_trainer": run_hf_trainer, "timm": run_timm}
 
 
-def run_row(trainer: str, method: str, cfg: Config) -> dict[str, Any]:
-    row: dict[str, Any] = {"trainer": trainer, "method": method}
-    try:
-        rates = [RUNNERS[trainer](method, cfg) for _ in range(cfg.rounds)]
-    except ImportError as e:
-        row["error"] = f"not installed: {e}"
-        return row
-    except Exception as e:  # a row that fails is reported, the others still run
-        traceback.print_exc()
-        row["error"] = f"{type(e).__name__}: {e}"
-        return row
-    row.update(steps_per_s=statistics.median(rates), min=min(rates), max=max(rates))
-    return row
+def run_trainer(trainer: str, cfg: Config) -> list[dict[str, Any]]:
+    """The trainer's rows: its methods interleaved, a round of each in turn, so that a machine's drift
+    falls on every method alike."""
+    rates: dict[str, list[float]] = {m: [] for m in METHODS[trainer]}
+    errors: dict[str, str] = {}
+    for _ in range(cfg.rounds):
+        for method in rates:
+            if method in errors:
+                continue
+            try:
+                rates[method].append(RUNNERS[trainer](method, cfg))
+            except ImportError as e:
+                errors[method] = f"not installed: {e}"
+            except Exception as e:  # a row that fails is reported, the others still run
+                traceback.print_exc()
+                errors[method] = f"{type(e).__name__}: {e}"
+    rows = []
+    for method, got in rates.items():
+        row: dict[str, Any] = {"trainer": trainer, "method": method}
+        if method in errors:
+            row["error"] = errors[method]
+        else:
+            row.update(steps_per_s=statistics.median(got), min=min(got), max=max(got))
+        rows.append(row)
+    return rows
 
 
 def run(cfg: Config) -> dict[str, Any]:
     rows = []
     for trainer in cfg.trainers:
-        for method in METHODS[trainer]:
-            row = run_row(trainer, method, cfg)
+        for row in run_trainer(trainer, cfg):
             rows.append(row)
             print(_progress(row), flush=True)
     own = {r["trainer"]: r["steps_per_s"] for r in rows if r["method"] == "own" and "error" not in r}
@@ -389,7 +401,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"# Trainers' own transfer vs gpufeed: {doc['card']}", "",
         f"torch {doc['torch']}; an MLP over float32 rows ({c['features']} floats, batch {c['batch']}: "
         f"{c['batch_bytes'] / 2**20:.1f} MiB), timm over {c['image']} px images; {c['workers']} workers; "
-        f"{c['warmup']} warm-up + {c['steps']} timed steps, median of {c['rounds']} rounds."
+        f"{c['warmup']} warm-up + {c['steps']} timed steps, median of {c['rounds']} interleaved rounds."
         + (" Smoke run: sizes too small to mean anything." if doc["smoke"] else ""), "",
         "| trainer | method | steps/s | min | max | vs own |", "| --- | --- | ---: | ---: | ---: | ---: |",
     ]
