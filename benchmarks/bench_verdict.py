@@ -207,15 +207,17 @@ def measure_cost(cfg: Config) -> dict[str, float]:
     data = [torch.randn(4096).pin_memory() if pin else torch.randn(4096) for _ in range(cfg.cost_batches)]
     per: dict[bool, list[float]] = {True: [], False: []}
     pfs = {measure: CudaPrefetcher(data, device=cfg.device, measure=measure) for measure in (True, False)}
-    for _ in range(cfg.cost_rounds):
-        for measure, pf in pfs.items():
-            t0 = time.perf_counter()
-            for _b in pf:
-                pass
-            per[measure].append((time.perf_counter() - t0) / len(data) * 1e6)
-            _sync(cfg.device)
-    for pf in pfs.values():
-        pf.close()
+    try:
+        for r in range(cfg.cost_rounds):
+            for measure in (True, False) if r % 2 == 0 else (False, True):  # (each first in turn)
+                t0 = time.perf_counter()
+                for _b in pfs[measure]:
+                    pass
+                per[measure].append((time.perf_counter() - t0) / len(data) * 1e6)
+                _sync(cfg.device)
+    finally:
+        for pf in pfs.values():
+            pf.close()
     on, off = statistics.median(per[True]), statistics.median(per[False])
     return {"us_per_batch_measure_on": on, "us_per_batch_measure_off": off, "measure_cost_us": on - off}
 

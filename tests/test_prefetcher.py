@@ -638,10 +638,11 @@ def test_a_stop_iteration_raised_by_the_transform_is_an_error_at_its_batch():
         return b
 
     got = []
-    with CudaPrefetcher([torch.tensor([i]) for i in range(8)], device="cpu", transform=transform) as pf:
-        with pytest.raises(RuntimeError, match="StopIteration"):
-            for b in pf:
-                got.append(int(b[0]))
+    data = [torch.tensor([i]) for i in range(8)]
+    with CudaPrefetcher(data, device="cpu", transform=transform) as pf, \
+            pytest.raises(RuntimeError, match="StopIteration"):
+        for b in pf:
+            got.append(int(b[0]))
     assert got == [0, 1, 2]
 
 

@@ -4,7 +4,6 @@ the same figures in ``summary()`` and ``as_dict()``. CPU runs here; the GPU's wa
 from __future__ import annotations
 
 import re
-import random
 import time
 
 import pytest
@@ -247,9 +246,9 @@ def test_past_the_first_batches_pairs_are_measured_about_one_in_sample(clock, mo
     period waits 3 ms for its copy, over 8000 batches; every 16th period waits 8 ms instead, which random
     gaps sample without aliasing."""
     monkeypatch.setattr(starvation, "FULL_BATCHES", 64)
-    random.seed(0)  # (the gaps are random: this test's are always the same)
     stats = PrefetchStats(device="cuda")
     meter = starvation.GpuWaits(stats)
+    meter._random.seed(0)  # (the gaps are random: this test's are always the same)
     meter.new_epoch()
     n, t = 8000, 0.0
     for k in range(1, n + 1):
@@ -264,6 +263,30 @@ def test_past_the_first_batches_pairs_are_measured_about_one_in_sample(clock, mo
     truth = (15 * 0.003 + 0.008) / (15 * 0.010 + 0.013)
     assert stats.starved_fraction == pytest.approx(truth, rel=0.1)
     assert stats.step_us == pytest.approx(7000)
+
+
+def test_an_event_goes_back_to_the_free_list_only_after_its_last_reading(clock, monkeypatch):
+    """A refresh on another thread reads events while the loop's thread takes events from the free list:
+    an event on that list is never read again. Here the free list is used as it is on CUDA, and every
+    reading checks that neither event is on it."""
+    monkeypatch.setattr(starvation.GpuWaits, "_take",
+                        lambda self: self._free.pop() if self._free else _Event())
+    stats = PrefetchStats(device="cuda")
+    meter = starvation.GpuWaits(stats)
+    elapsed = clock.elapsed
+
+    def checked(a, b):
+        assert all(a is not e and b is not e for e in meter._free), "an event read after it was freed"
+        return elapsed(a, b)
+
+    monkeypatch.setattr(starvation, "_elapsed", checked)
+    meter.new_epoch()
+    for k in range(1, 200):
+        _batch(meter, clock, asked=0.01 * k, handed=0.01 * k + 0.002, copied=0.01 * k + 0.003,
+               gpu_now=0.01 * k + 0.002)
+    clock.now = 10.0
+    meter.refresh()
+    assert stats.waited_batches > 64 and stats.starved_fraction == pytest.approx(0.3)
 
 
 def test_gpu_idle_while_the_loader_fetches_is_the_loader_s(clock):

@@ -83,7 +83,8 @@ class GpuWaits:
         self._calls = 0  # asked() calls so far
         self._next = 0  # the call measured next
         self._second = False  # the next call measured ends a sampled pair
-        self._before: tuple[Any, float, int, int] | None = None  # (asked, wait, epoch, index): last counted
+        self._before: tuple[Any, float, int, int, Any] | None = None  # (asked, wait, epoch, index, stream)
+        self._random = random.Random()  # (the program's own random sequence stays its own)
         self._lock = threading.Lock()
 
     def new_epoch(self) -> None:
@@ -109,7 +110,7 @@ class GpuWaits:
             self._next = index + 1
             self._second = index >= FULL_BATCHES
         else:
-            self._next = index + random.randint(1, 2 * SAMPLE - 1)
+            self._next = index + self._random.randint(1, 2 * SAMPLE - 1)
             self._second = False
         event = self._take()
         _record(event, current())
@@ -172,15 +173,15 @@ class GpuWaits:
         wait = max(idle, copy)
         if p.handed is not None:
             self._free.append(p.handed)
-        before, self._before = self._before, (p.asked, wait, p.epoch, p.index)
+        before, self._before = self._before, (p.asked, wait, p.epoch, p.index, p.stream)
         if before is None:
             return
-        self._free.append(before[0])
-        if before[2] != p.epoch or before[3] + 1 != p.index:  # (an epoch's first, a sampled pair's first)
-            return
-        stats = self.stats
-        stats.span_s += _elapsed(before[0], p.asked) / 1e3 + wait - before[1]
-        stats.waited(wait, fetch=idle * p.fetch, stage=idle * p.stage, copy=wait - idle)
+        # (an epoch's first batch, a sampled pair's first, or the loop switched streams: no period)
+        if before[2] == p.epoch and before[3] + 1 == p.index and before[4] is p.stream:
+            stats = self.stats
+            stats.span_s += _elapsed(before[0], p.asked) / 1e3 + wait - before[1]
+            stats.waited(wait, fetch=idle * p.fetch, stage=idle * p.stage, copy=wait - idle)
+        self._free.append(before[0])  # (read for the last time: the loop's thread may take it now)
 
     def _take(self) -> Any:
         return self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)

@@ -21,9 +21,11 @@ INPUT_BOUND_SHARE = 0.10
 MIN_BATCHES = 10
 #: A step (the consumer's time a batch that is not a wait for data) of at most this long did no work to
 #: starve: the loop's waits time the input alone. An empty loop measures 5-20 us a batch on the CPU (the
-#: iteration, the scheduler's noise); a training step's kernel launches alone take longer. On CUDA the
-#: GPU's step also holds gpufeed's own calls around the hand-over (``own_us``: 30-65 us on an H200 host),
-#: so there the bound is this plus ``own_us``.
+#: iteration, the scheduler's noise); a training step's kernel launches alone take longer. On CUDA an
+#: empty loop's thread spends a few microseconds a batch outside ``next()``, and its GPU step holds
+#: gpufeed's own calls between the hand-over and the next batch's first event (27-64 us on H200 hosts):
+#: there a loop did no work when its thread's time outside ``next()`` is at most this, and its GPU step
+#: at most twice this.
 EMPTY_LOOP_US = 50.0
 #: Waits come in bursts when the tenth of the batches that waited longest hold at least this share of the
 #: waiting: the input keeps up on average, and more batches ahead absorb its slow ones.
@@ -48,8 +50,9 @@ def judge(s: PrefetchStats) -> Verdict:
         return Verdict("no verdict", "measuring is off (measure=False)", "")
     if s.waited_batches < MIN_BATCHES:
         return Verdict("no verdict", f"fewer than {MIN_BATCHES} batches timed after start-up", "")
-    if s.step_us <= EMPTY_LOOP_US + (s.own_us if s.device == "cuda" else 0.0):
-        return Verdict("no verdict", f"the loop did no work ({s.step_us:.0f} us a batch): its waits time the "
+    if not s.loop_did_work:
+        us = s.loop_us if s.device == "cuda" else s.step_us
+        return Verdict("no verdict", f"the loop did no work ({us:.0f} us a batch): its waits time the "
                                      "input alone", "")
     if s.starved_fraction < INPUT_BOUND_SHARE:
         limit = "the GPU's work" if s.device == "cuda" else "the loop's own work"

@@ -56,8 +56,6 @@ class PrefetchStats:
     bytes: int = 0
     wait_s: float = 0.0
     wall_s: float = 0.0
-    wall_calls: int = 0
-    own_s: float = 0.0
     startup_s: float = 0.0
     fetch_s: float = 0.0
     stage_s: float = 0.0
@@ -107,12 +105,6 @@ class PrefetchStats:
         return (self.span_s - self.waited_s) / self.waited_batches * 1e6 if self.waited_batches else 0.0
 
     @property
-    def own_us(self) -> float:
-        """gpufeed's own time a ``next()`` call on the loop's thread, in microseconds: the call's time but
-        the loader's ``next()`` (``fetch_s``) and staging (``stage_s``)."""
-        return self.own_s / self.wall_calls * 1e6 if self.wall_calls else 0.0
-
-    @property
     def burst_share(self) -> float:
         """The share of the waiting held by the tenth of the batches that waited longest."""
         return self._histogram.top_share(0.1)
@@ -144,9 +136,12 @@ class PrefetchStats:
 
     @property
     def loop_did_work(self) -> bool:
-        """Whether the step took more than ``EMPTY_LOOP_US`` a batch (on CUDA, on the GPU's timeline): an
-        empty loop waits for every batch by construction, and is not judged."""
-        return self.step_us > EMPTY_LOOP_US
+        """Whether the loop did work between its batches: on the CPU, a step of more than ``EMPTY_LOOP_US``
+        a batch; on CUDA, a loop thread busy for more than that outside ``next()``, or a GPU step of more
+        than twice it. An empty loop waits for every batch by construction, and is not judged."""
+        if self.device != "cuda":
+            return self.step_us > EMPTY_LOOP_US
+        return self.loop_us > EMPTY_LOOP_US or self.step_us > 2 * EMPTY_LOOP_US
 
     @property
     def input_bound(self) -> bool:
@@ -184,8 +179,6 @@ class PrefetchStats:
         else:
             self.wait_s += now - t0
             self.wall_s += now - last
-            self.wall_calls += 1
-            self.own_s += max(0.0, now - t0 - (self.fetch_s - mark[1]) - (self.stage_s - mark[2]))
             if judged:
                 self.span_s += now - last
                 self.waited(now - t0, fetch=self.fetch_s - mark[1], stage=self.stage_s - mark[2])
@@ -225,7 +218,7 @@ class PrefetchStats:
             "verdict": v.label, "reason": v.reason, "next_step": v.next_step,
             "input_bound": int(v.label == "INPUT-BOUND"),
             "timeline": "gpu" if self.device == "cuda" else "loop thread",
-            "starved_fraction": self.starved_fraction, "step_us": self.step_us, "own_us": self.own_us,
+            "starved_fraction": self.starved_fraction, "step_us": self.step_us, "loop_us": self.loop_us,
             "burst_share": self.burst_share, **{f"share_{k}": x for k, x in shares.items()},
             "stall_fraction": self.stall_fraction, "h2d_GBps": self.h2d_GBps, "stage_GBps": self.stage_GBps,
             "throughput_GBps": self.throughput_GBps,

@@ -34,7 +34,7 @@ def _freeze_inherited() -> None:
     (an event, a device tensor, a block of pinned memory) would make a CUDA call in the child and abort
     it. Frozen, the worker never collects them (nor dirties their pages). The main process's collector is
     left as it is: a program's own ``gc.freeze()`` stays its own."""
-    if _starting:
+    if _starting > 0:
         gc.freeze()
 
 
