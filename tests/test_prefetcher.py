@@ -607,7 +607,7 @@ def test_a_forked_worker_never_collects_this_process_s_cycles(tmp_path):
             with CudaPrefetcher(wrapped, device="cpu") as pf:
                 it = iter(pf)
                 first = next(it)
-                assert gc.get_freeze_count() == 0
+                assert gc.get_freeze_count() == 0 and not gc.isenabled()  # (as the program left them)
                 assert [first.tolist(), *(b.tolist() for b in it)] == [[[0], [1]], [[2], [3]]]
             assert not list(tmp_path.iterdir())  # not freed in the worker
             gc.collect()
@@ -660,6 +660,22 @@ def test_break_and_collection_drop_the_batches_taken_ahead(monkeypatch):
     gc.collect()
     assert [int(d.batch[0]) for d in dropped] == [3, 4, 5]
     pf.close()
+
+
+def test_the_collector_is_on_again_after_workers_fork():
+    """The collector is off across a worker's fork (no collection in the child before it freezes what it
+    inherited), and on again after it in both processes."""
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, num_workers=2,
+                                         multiprocessing_context="fork", worker_init_fn=_assert_collecting)
+    assert gc.isenabled()
+    with CudaPrefetcher(loader, device="cpu") as pf:
+        assert [b.tolist() for b in pf] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert gc.isenabled()
+
+
+def _assert_collecting(worker_id):
+    if not gc.isenabled() or gc.get_freeze_count() == 0:
+        os._exit(3)  # (the DataLoader reports the worker's exit)
 
 
 def test_a_program_s_own_frozen_objects_stay_frozen(tmp_path):

@@ -22,23 +22,38 @@ from gpufeed.loaders._epochs import Epochs
 STATE_VERSION = 1
 
 #: Iterations starting their workers now (from ``iter()`` to the first batch). A process forked meanwhile
-#: is one of their workers: it freezes the collector's objects it inherited, first thing
-#: (:func:`_freeze_inherited`).
+#: is one of their workers: it freezes the collector's objects it inherited, first thing (:func:`_fork`).
 _starting = 0
+_collecting: bool | None = None  # across a fork of a worker: whether the collector was on before it
 
 
-def _freeze_inherited() -> None:
-    """In a worker forked while an iteration starts: freeze every object inherited from the main process.
+def _fork(when: str) -> None:
+    """Around a fork while an iteration starts its workers: the collector is off across the fork, and the
+    child, a worker, freezes every object it inherited before turning it back on.
 
     The main process's unreachable cycles are copied into the worker; collected there, their CUDA objects
     (an event, a device tensor, a block of pinned memory) would make a CUDA call in the child and abort
-    it. Frozen, the worker never collects them (nor dirties their pages). The main process's collector is
-    left as it is: a program's own ``gc.freeze()`` stays its own."""
-    if _starting > 0:
+    it. Frozen, the worker never collects them (nor dirties their pages); off across the fork, no
+    collection runs in the child before the freeze (other fork handlers allocate first). The main
+    process's collector is left as it was: a program's own ``gc.freeze()`` or ``gc.disable()`` stays its
+    own."""
+    global _collecting
+    if when == "before":
+        if _starting > 0:
+            _collecting = gc.isenabled()
+            gc.disable()
+        return
+    if _collecting is None:
+        return
+    if when == "child":
         gc.freeze()
+    if _collecting:
+        gc.enable()
+    _collecting = None
 
 
-os.register_at_fork(after_in_child=_freeze_inherited)
+os.register_at_fork(before=lambda: _fork("before"), after_in_parent=lambda: _fork("parent"),
+                    after_in_child=lambda: _fork("child"))
 
 
 def has_workers(loader: Any) -> bool:
@@ -180,7 +195,7 @@ def _batches(loader: Any, arena: WorkerArena | None) -> Iterator[HostBatch]:
 
     While the iteration starts its workers (at ``iter()`` for a DataLoader, at the first ``next()`` for a
     wrapper that iterates one lazily, as accelerate's do), the DataLoader's ``collate_fn`` is the arena's,
-    and a process forked meanwhile, a worker, freezes the objects it inherited (:func:`_freeze_inherited`).
+    and a process forked meanwhile, a worker, freezes the objects it inherited (:func:`_fork`).
     Both end when the first batch arrives."""
     inner = _workers_of(loader)
     collate = arena.begin(inner) if arena is not None and has_workers(inner) else None
