@@ -4,6 +4,8 @@ Run it on the GPU machine, in one process (a few minutes)::
 
     PYTHONPATH=src python benchmarks/bench_trainers.py     # benchmarks/results/trainers-<card>.{json,md}
     python benchmarks/bench_trainers.py --smoke            # tiny, on the CPU, seconds (the smoke test)
+    accelerate launch --num_processes 2 benchmarks/bench_trainers.py --trainers accelerate
+        # each process times its own shard: benchmarks/results/trainers-launch-2x-<card>.{json,md}
 
 The loop, the same for every trainer: an MLP (``--features`` -> ``--hidden`` x 2 -> 10, float32, SGD) over a
 map-style dataset of random float32 rows (``--batch`` rows a batch: 8 MiB at the defaults), ``--workers``
@@ -33,6 +35,7 @@ A trainer that is not installed gets rows with an ``error``.
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import sys
 import time
@@ -53,6 +56,8 @@ from _common import card_name, parser, pick_device, run_info, save_results
 from gpufeed import CudaPrefetcher
 
 TRAINERS = ("accelerate", "lightning", "hf_trainer", "timm")
+#: Processes of an ``accelerate launch`` (1 when run plainly): each times its own shard.
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 METHODS = {"accelerate": ("own", "gpufeed"), "lightning": ("own", "gpufeed"),
            "hf_trainer": ("own", "gpufeed"), "timm": ("own", "gpufeed", "gpufeed_uint8")}
 
@@ -183,7 +188,8 @@ class Clock:
 
 
 def _n(cfg: Config) -> int:
-    return (cfg.warmup + cfg.steps) * cfg.batch
+    """Samples enough for every process's warm-up and timed steps (a launched run shards them)."""
+    return (cfg.warmup + cfg.steps) * cfg.batch * WORLD
 
 
 def _loop(batches: Any, model: nn.Module, opt: torch.optim.Optimizer, clock: Clock,
@@ -405,27 +411,54 @@ def markdown(doc: dict[str, Any]) -> str:
         + (" Smoke run: sizes too small to mean anything." if doc["smoke"] else ""), "",
         "| trainer | method | steps/s | min | max | vs own |", "| --- | --- | ---: | ---: | ---: | ---: |",
     ]
+    if "processes" in doc:
+        lines[2] += f" Under accelerate launch: {doc['processes']} processes, each timing its own shard."
     for r in doc["rows"]:
+        trainer = f"{r['trainer']} (rank {r['rank']})" if "rank" in r else r["trainer"]
         if "error" in r:
-            lines.append(f"| {r['trainer']} | {r['method']} | error: {r['error']} | | | |")
+            lines.append(f"| {trainer} | {r['method']} | error: {r['error']} | | | |")
         else:
-            lines.append(f"| {r['trainer']} | {r['method']} | {r['steps_per_s']:.2f} | {r['min']:.2f} | "
+            lines.append(f"| {trainer} | {r['method']} | {r['steps_per_s']:.2f} | {r['min']:.2f} | "
                          f"{r['max']:.2f} | {r.get('vs_own', float('nan')):.2f}x |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    if WORLD > 1:  # under accelerate launch: each process on its own device, the rows gathered on rank 0
+        if cfg.trainers != ("accelerate",):
+            raise SystemExit("under accelerate launch only the accelerate rows run: --trainers accelerate")
+        if cfg.cuda:
+            cfg.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(cfg.device)
     cfg.out.mkdir(parents=True, exist_ok=True)
     print(f"trainers benchmark on {cfg.device} ({card_name(cfg.device)}), torch {torch.__version__}",
           flush=True)
     with contextlib.suppress(Exception):
         torch.backends.cudnn.benchmark = cfg.cuda
     doc = run(cfg)
+    name = "trainers"
+    if WORLD > 1:
+        doc, name = _gathered(doc), f"trainers-launch-{WORLD}x"
+        if doc is None:
+            return 0
     md = markdown(doc)
-    stem = save_results(cfg.out, "trainers", doc, md)
+    stem = save_results(cfg.out, name, doc, md)
     print(f"\n{md}\nwrote {stem}.json and {stem}.md", flush=True)
     return 0 if all("error" not in r for r in doc["rows"]) else 1
+
+
+def _gathered(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """On rank 0, ``doc`` with every process's rows (each with its ``rank``); None on the others."""
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * WORLD
+    dist.all_gather_object(parts, doc["rows"])
+    if dist.get_rank() != 0:
+        return None
+    doc["rows"] = [{**row, "rank": rank} for rank, rows in enumerate(parts) for row in rows]
+    doc["processes"] = WORLD
+    return doc
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 # Usage there (after the .devwhl prepare line):  bash benchmarks/run_gpu.sh "$OUT/r" --pack [part]
 # part: "a" (tests, prefetcher, grid, CLI), "b" (sources, tabpfn, resnet), "l" (the training loops' small steps,
 # mlp and token, and the verdict's cases), "m" (the loops' cnn and resnet steps), "t" (the trainers: bench_trainers.py, and
-# examples/accelerate_launch.py --check on 2 GPUs where there are 2; needs pip install -e '.[integrations]' lightning)
+# on 2 GPUs where there are 2, examples/accelerate_launch.py --check and bench_trainers.py's accelerate rows per
+# process; needs pip install -e '.[integrations]' lightning)
 # or "r" (the reliability report, whose page
 # docs/reliability.md is copied into the folder); "ab" when left out. A part may take past 600 s: run the steps of one in separate calls then.
 set -u
@@ -35,6 +36,9 @@ if [[ $part == *t* ]]; then
     timeout 200 accelerate launch --num_processes 2 examples/accelerate_launch.py --check \
       > "$out/accelerate-launch.log" 2>&1
     tail -4 "$out/accelerate-launch.log"
+    timeout 200 accelerate launch --num_processes 2 benchmarks/bench_trainers.py --trainers accelerate \
+      --out "$out" > "$out/bench-trainers-launch.log" 2>&1
+    tail -8 "$out/bench-trainers-launch.log"
   fi
 fi
 if [[ $part == *l* ]]; then  # (windows of 0.6 s: about 5 minutes)
