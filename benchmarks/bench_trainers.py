@@ -6,6 +6,8 @@ Run it on the GPU machine, in one process (a few minutes)::
     python benchmarks/bench_trainers.py --smoke            # tiny, on the CPU, seconds (the smoke test)
     accelerate launch --num_processes 2 benchmarks/bench_trainers.py --trainers accelerate
         # each process times its own shard: benchmarks/results/trainers-launch-2x-<card>.{json,md}
+    python benchmarks/bench_trainers.py --loops mlp,token,cnn,resnet
+        # the loops benchmark's steps in each trainer: benchmarks/results/trainers-loops-<card>.{json,md}
 
 The loop, the same for every trainer: an MLP (``--features`` -> ``--hidden`` x 2 -> 10, float32, SGD) over a
 map-style dataset of random float32 rows (``--batch`` rows a batch: 8 MiB at the defaults), ``--workers``
@@ -76,6 +78,7 @@ class Config:
     warmup: int
     steps: int
     rounds: int
+    loops: tuple[str, ...] = ()  # the loops benchmark's steps to train (empty: the MLP over rows)
 
     @property
     def cuda(self) -> bool:
@@ -94,11 +97,25 @@ def parse_args(argv: list[str] | None) -> Config:
     p.add_argument("--warmup", type=int, help="untimed steps a round (default 20; smoke 2)")
     p.add_argument("--steps", type=int, help="timed steps a round (default 100; smoke 3)")
     p.add_argument("--rounds", type=int, help="rounds a row, reported as median/min/max (default 3; smoke 1)")
+    p.add_argument("--loops", default="",
+                   help="train the loops benchmark's steps instead of the MLP over rows: a comma-separated "
+                        "subset of mlp,token,cnn,resnet (bench_loops.py: their models, batches and losses), "
+                        "in accelerate, Lightning and HF Trainer")
     a = p.parse_args(argv)
     trainers = tuple(t for t in a.trainers.split(",") if t)
     unknown = set(trainers) - set(TRAINERS)
     if unknown:
         p.error(f"unknown trainers {sorted(unknown)}; choose from {','.join(TRAINERS)}")
+    loops = tuple(x for x in a.loops.split(",") if x)
+    if loops:
+        from bench_loops import STEPS
+
+        if set(loops) - set(STEPS):
+            p.error(f"--loops: unknown {sorted(set(loops) - set(STEPS))}; choose from {','.join(STEPS)}")
+        if "timm" in trainers:
+            if a.trainers != ",".join(TRAINERS):
+                p.error("--loops: timm trains its own image loop only; leave it out of --trainers")
+            trainers = tuple(t for t in trainers if t != "timm")
 
     def pick(value: int | None, full: int, smoke: int) -> int:
         return value if value is not None else (smoke if a.smoke else full)
@@ -107,27 +124,26 @@ def parse_args(argv: list[str] | None) -> Config:
                   features=pick(a.features, 2048, 32), hidden=pick(a.hidden, 1024, 32),
                   batch=pick(a.batch, 1024, 8),
                   image=pick(a.image, 64, 16), workers=pick(a.workers, 4, 0),
-                  warmup=pick(a.warmup, 20, 2), steps=pick(a.steps, 100, 3), rounds=pick(a.rounds, 3, 1))
+                  warmup=pick(a.warmup, 20, 2), steps=pick(a.steps, 100, 3), rounds=pick(a.rounds, 3, 1),
+                  loops=loops)
 
 
 # -- the workload ----------------------------------------------------------------------------------------
 
 
 class Rows(Dataset):
-    """``(x, y)`` float32 rows over a bank made once (before any worker forks); ``dicts``: ``{"x", "labels"}``
-    instead."""
+    """``(x, y)`` float32 rows over a bank made once (before any worker forks)."""
 
-    def __init__(self, n: int, features: int, dicts: bool = False) -> None:
+    def __init__(self, n: int, features: int) -> None:
         g = torch.Generator().manual_seed(0)
         self.bank = torch.randn(256, features, generator=g)
-        self.n, self.dicts = n, dicts
+        self.n = n
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> Any:
-        x, y = self.bank[i % 256].clone(), i % 10
-        return {"x": x, "labels": y} if self.dicts else (x, y)
+        return self.bank[i % 256].clone(), i % 10
 
 
 class Images(Dataset):
@@ -156,11 +172,49 @@ class MLP(nn.Module):
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(features, hidden), nn.ReLU(),
                                  nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
-        logits = self.net(x)
-        if labels is None:
-            return logits
-        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@dataclass(frozen=True)
+class Work:
+    """What the trainers train: a model, a data set of ``n`` samples (each a ``[x, y]`` list or a tensor),
+    its batch size, and the loss of a batch."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    dataset: Callable[[int], Dataset]
+    batch: int
+    batch_bytes: int
+    loss: Callable[[nn.Module, Any], torch.Tensor]
+
+
+def classify(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def works(cfg: Config) -> list[Work]:
+    """The MLP over float32 rows; or, with ``--loops``, the loops benchmark's steps."""
+    if not cfg.loops:
+        return [Work("rows", lambda: MLP(cfg.features, cfg.hidden), lambda n: Rows(n, cfg.features),
+                     cfg.batch, cfg.batch * cfg.features * 4, classify)]
+    from bench_loops import BankDataset, step_specs
+
+    out = []
+    for name in cfg.loops:
+        spec = step_specs(cfg.smoke)[name]
+        g = torch.Generator().manual_seed(0)
+        rows = spec.bank_rows or max(spec.batch, 64)
+        if spec.dtype.is_floating_point:
+            bank = [torch.rand(rows, *spec.sample, generator=g, dtype=spec.dtype)]
+        else:
+            bank = [torch.randint(0, spec.vocab, (rows, *spec.sample), generator=g, dtype=spec.dtype)]
+        if spec.labels:
+            bank.append(torch.randint(0, spec.labels, (rows,), generator=g))
+        out.append(Work(name, spec.build, lambda n, bank=bank: BankDataset(bank, n), spec.batch,
+                        spec.batch * spec.sample_bytes, spec.loss))
+    return out
 
 
 class Clock:
@@ -187,15 +241,16 @@ class Clock:
         return self.cfg.steps / (self.t1 - self.t0)
 
 
-def _n(cfg: Config) -> int:
+def _n(cfg: Config, batch: int) -> int:
     """Samples enough for every process's warm-up and timed steps (a launched run shards them)."""
-    return (cfg.warmup + cfg.steps) * cfg.batch * WORLD
+    return (cfg.warmup + cfg.steps) * batch * WORLD
 
 
 def _loop(batches: Any, model: nn.Module, opt: torch.optim.Optimizer, clock: Clock,
-          backward: Callable[[torch.Tensor], None] | None = None) -> None:
-    for x, y in batches:
-        loss = nn.functional.cross_entropy(model(x), y)
+          backward: Callable[[torch.Tensor], None] | None = None,
+          loss_of: Callable[[nn.Module, Any], torch.Tensor] = classify) -> None:
+    for batch in batches:
+        loss = loss_of(model, batch)
         (backward or torch.Tensor.backward)(loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -206,7 +261,7 @@ def _loop(batches: Any, model: nn.Module, opt: torch.optim.Optimizer, clock: Clo
 # -- the trainers -----------------------------------------------------------------------------------------
 
 
-def run_accelerate(method: str, cfg: Config) -> float:
+def run_accelerate(method: str, cfg: Config, work: Work) -> float:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DataLoaderConfiguration
@@ -214,21 +269,21 @@ def run_accelerate(method: str, cfg: Config) -> float:
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     acc = Accelerator(cpu=not cfg.cuda, dataloader_config=DataLoaderConfiguration(non_blocking=cfg.cuda))
-    model = MLP(cfg.features, cfg.hidden)
+    model = work.build()
     model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
-    loader = DataLoader(Rows(_n(cfg), cfg.features), batch_size=cfg.batch, num_workers=cfg.workers,
+    loader = DataLoader(work.dataset(_n(cfg, work.batch)), batch_size=work.batch, num_workers=cfg.workers,
                         pin_memory=cfg.cuda and method == "own")
     clock = Clock(cfg)
     if method == "own":
-        _loop(acc.prepare_data_loader(loader), model, opt, clock, acc.backward)
+        _loop(acc.prepare_data_loader(loader), model, opt, clock, acc.backward, work.loss)
     else:
         prepared = acc.prepare_data_loader(loader, device_placement=False)
         with CudaPrefetcher(prepared, device=acc.device) as batches:
-            _loop(batches, model, opt, clock, acc.backward)
+            _loop(batches, model, opt, clock, acc.backward, work.loss)
     return clock.steps_per_s()
 
 
-def run_lightning(method: str, cfg: Config) -> float:
+def run_lightning(method: str, cfg: Config, work: Work) -> float:
     import lightning as L
 
     clock = Clock(cfg)
@@ -236,18 +291,17 @@ def run_lightning(method: str, cfg: Config) -> float:
     class Module(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.model = MLP(cfg.features, cfg.hidden)
+            self.model = work.build()
 
         def train_dataloader(self) -> Any:
-            loader = DataLoader(Rows(_n(cfg), cfg.features), batch_size=cfg.batch, num_workers=cfg.workers,
-                                pin_memory=cfg.cuda and method == "own")
+            loader = DataLoader(work.dataset(_n(cfg, work.batch)), batch_size=work.batch,
+                                num_workers=cfg.workers, pin_memory=cfg.cuda and method == "own")
             if method == "own":
                 return loader
             return CudaPrefetcher(loader, device=self.trainer.strategy.root_device)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return nn.functional.cross_entropy(self.model(x), y)
+            return work.loss(self.model, batch)
 
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
             clock.step()
@@ -266,7 +320,7 @@ def run_lightning(method: str, cfg: Config) -> float:
     return clock.steps_per_s()
 
 
-def run_hf_trainer(method: str, cfg: Config) -> float:
+def run_hf_trainer(method: str, cfg: Config, work: Work) -> float:
     import tempfile
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -289,22 +343,39 @@ def run_hf_trainer(method: str, cfg: Config) -> float:
 
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
-            output_dir=out, per_device_train_batch_size=cfg.batch, max_steps=cfg.warmup + cfg.steps,
+            output_dir=out, per_device_train_batch_size=work.batch, max_steps=cfg.warmup + cfg.steps,
             use_cpu=not cfg.cuda, report_to=[], save_strategy="no", logging_strategy="no",
             dataloader_num_workers=cfg.workers, dataloader_pin_memory=cfg.cuda and method == "own",
             disable_tqdm=True, learning_rate=0.01, optim="sgd", seed=0)
         cls = Trainer if method == "own" else GpufeedTrainer
-        trainer = cls(model=MLP(cfg.features, cfg.hidden), args=args,
-                      train_dataset=Rows(_n(cfg), cfg.features, dicts=True),
-                      data_collator=torch.utils.data.default_collate, callbacks=[Timing()])
+        trainer = cls(model=LossModel(work), args=args, train_dataset=work.dataset(_n(cfg, work.batch)),
+                      data_collator=_named, callbacks=[Timing()])
         trainer.train()
     return clock.steps_per_s()
 
 
-def run_timm(method: str, cfg: Config) -> float:
+class LossModel(nn.Module):
+    """A work's model as HF ``Trainer`` takes one: named inputs (``x``, and ``labels`` where the work has
+    them) in, ``{"loss": ...}`` out."""
+
+    def __init__(self, work: Work) -> None:
+        super().__init__()
+        self.inner, self.loss = work.build(), work.loss
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        return {"loss": self.loss(self.inner, x if labels is None else [x, labels])}
+
+
+def _named(samples: list[Any]) -> dict[str, torch.Tensor]:
+    """``default_collate``, then the batch's tensors named as :class:`LossModel` takes them."""
+    batch = torch.utils.data.default_collate(samples)
+    return {"x": batch} if isinstance(batch, torch.Tensor) else {"x": batch[0], "labels": batch[1]}
+
+
+def run_timm(method: str, cfg: Config, work: Work) -> float:
     from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_loader
 
-    dataset = Images(_n(cfg), cfg.image)
+    dataset = Images(_n(cfg, cfg.batch), cfg.image)
     model = MLP(3 * cfg.image * cfg.image, cfg.hidden).to(cfg.device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     clock = Clock(cfg)
@@ -331,13 +402,13 @@ def run_timm(method: str, cfg: Config) -> float:
     return clock.steps_per_s()
 
 
-RUNNERS: dict[str, Callable[[str, Config], float]] = {
+RUNNERS: dict[str, Callable[[str, Config, Work], float]] = {
     "accelerate": run_accelerate, "lightning": run_lightning, "hf_trainer": run_hf_trainer, "timm": run_timm}
 
 
-def run_trainer(trainer: str, cfg: Config) -> list[dict[str, Any]]:
-    """The trainer's rows: its methods interleaved, a round of each in turn, so that a machine's drift
-    falls on every method alike."""
+def run_trainer(trainer: str, cfg: Config, work: Work) -> list[dict[str, Any]]:
+    """The trainer's rows for ``work``: its methods interleaved, a round of each in turn, so that a
+    machine's drift falls on every method alike."""
     rates: dict[str, list[float]] = {m: [] for m in METHODS[trainer]}
     errors: dict[str, str] = {}
     for _ in range(cfg.rounds):
@@ -345,7 +416,7 @@ def run_trainer(trainer: str, cfg: Config) -> list[dict[str, Any]]:
             if method in errors:
                 continue
             try:
-                rates[method].append(RUNNERS[trainer](method, cfg))
+                rates[method].append(RUNNERS[trainer](method, cfg, work))
             except ImportError as e:
                 errors[method] = f"not installed: {e}"
             except Exception as e:  # a row that fails is reported, the others still run
@@ -353,7 +424,7 @@ def run_trainer(trainer: str, cfg: Config) -> list[dict[str, Any]]:
                 errors[method] = f"{type(e).__name__}: {e}"
     rows = []
     for method, got in rates.items():
-        row: dict[str, Any] = {"trainer": trainer, "method": method}
+        row: dict[str, Any] = {"trainer": trainer, "method": method, "loop": work.name}
         if method in errors:
             row["error"] = errors[method]
         else:
@@ -364,19 +435,21 @@ def run_trainer(trainer: str, cfg: Config) -> list[dict[str, Any]]:
 
 def run(cfg: Config) -> dict[str, Any]:
     rows = []
-    for trainer in cfg.trainers:
-        for row in run_trainer(trainer, cfg):
-            rows.append(row)
-            print(_progress(row), flush=True)
-    own = {r["trainer"]: r["steps_per_s"] for r in rows if r["method"] == "own" and "error" not in r}
+    for work in works(cfg):
+        for trainer in cfg.trainers:
+            for row in run_trainer(trainer, cfg, work):
+                rows.append(row)
+                print(_progress(row), flush=True)
+    own = {(r["loop"], r["trainer"]): r["steps_per_s"] for r in rows
+           if r["method"] == "own" and "error" not in r}
     for r in rows:
-        if "error" not in r and r["trainer"] in own:
-            r["vs_own"] = r["steps_per_s"] / own[r["trainer"]]
+        if "error" not in r and (r["loop"], r["trainer"]) in own:
+            r["vs_own"] = r["steps_per_s"] / own[r["loop"], r["trainer"]]
     return {
         **run_info(cfg.device, cfg.smoke),
         "config": {"features": cfg.features, "hidden": cfg.hidden, "batch": cfg.batch, "image": cfg.image,
                    "workers": cfg.workers, "warmup": cfg.warmup, "steps": cfg.steps, "rounds": cfg.rounds,
-                   "batch_bytes": cfg.batch * cfg.features * 4},
+                   "batch_bytes": cfg.batch * cfg.features * 4, "loops": list(cfg.loops)},
         "versions": _versions(),
         "rows": rows,
     }
@@ -405,8 +478,11 @@ def markdown(doc: dict[str, Any]) -> str:
     c = doc["config"]
     lines = [
         f"# Trainers' own transfer vs gpufeed: {doc['card']}", "",
-        f"torch {doc['torch']}; an MLP over float32 rows ({c['features']} floats, batch {c['batch']}: "
-        f"{c['batch_bytes'] / 2**20:.1f} MiB), timm over {c['image']} px images; {c['workers']} workers; "
+        f"torch {doc['torch']}; "
+        + (f"the loops benchmark's steps ({', '.join(c['loops'])}; bench_loops.py), " if c.get("loops") else
+           f"an MLP over float32 rows ({c['features']} floats, batch {c['batch']}: "
+           f"{c['batch_bytes'] / 2**20:.1f} MiB), timm over {c['image']} px images; ")
+        + f"{c['workers']} workers; "
         f"{c['warmup']} warm-up + {c['steps']} timed steps, median of {c['rounds']} interleaved rounds."
         + (" Smoke run: sizes too small to mean anything." if doc["smoke"] else ""), "",
         "| trainer | method | steps/s | min | max | vs own |", "| --- | --- | ---: | ---: | ---: | ---: |",
@@ -415,6 +491,8 @@ def markdown(doc: dict[str, Any]) -> str:
         lines[2] += f" Under accelerate launch: {doc['processes']} processes, each timing its own shard."
     for r in doc["rows"]:
         trainer = f"{r['trainer']} (rank {r['rank']})" if "rank" in r else r["trainer"]
+        if doc["config"].get("loops"):
+            trainer = f"{r['loop']}: {trainer}"
         if "error" in r:
             lines.append(f"| {trainer} | {r['method']} | error: {r['error']} | | | |")
         else:
@@ -437,9 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(Exception):
         torch.backends.cudnn.benchmark = cfg.cuda
     doc = run(cfg)
-    name = "trainers"
+    name = "trainers-loops" if cfg.loops else "trainers"
     if WORLD > 1:
-        doc, name = _gathered(doc), f"trainers-launch-{WORLD}x"
+        doc, name = _gathered(doc), f"{name}-launch-{WORLD}x"
         if doc is None:
             return 0
     md = markdown(doc)
@@ -454,7 +532,10 @@ def _gathered(doc: dict[str, Any]) -> dict[str, Any] | None:
 
     parts: list[Any] = [None] * WORLD
     dist.all_gather_object(parts, doc["rows"])
-    if dist.get_rank() != 0:
+    rank = dist.get_rank()
+    dist.barrier()
+    dist.destroy_process_group()  # (every process leaves the group together: none exits while it is used)
+    if rank != 0:
         return None
     doc["rows"] = [{**row, "rank": rank} for rank, rows in enumerate(parts) for row in rows]
     doc["processes"] = WORLD

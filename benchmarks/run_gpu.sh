@@ -4,7 +4,7 @@
 # part: "a" (tests, prefetcher, grid, CLI), "b" (sources, tabpfn, resnet), "l" (the training loops' small steps,
 # mlp and token, and the verdict's cases), "m" (the loops' cnn and resnet steps), "t" (the trainers: bench_trainers.py, and
 # on 2 GPUs where there are 2, examples/accelerate_launch.py --check and bench_trainers.py's accelerate rows per
-# process; needs pip install -e '.[integrations]' lightning)
+# process; needs pip install -e '.[integrations]' lightning), "u" (the loops benchmark's steps in those trainers)
 # or "r" (the reliability report, whose page
 # docs/reliability.md is copied into the folder); "ab" when left out. A part may take past 600 s: run the steps of one in separate calls then.
 set -u
@@ -40,6 +40,11 @@ if [[ $part == *t* ]]; then
       --out "$out" > "$out/bench-trainers-launch.log" 2>&1
     tail -8 "$out/bench-trainers-launch.log"
   fi
+fi
+if [[ $part == *u* ]]; then  # (the loops benchmark's steps in accelerate, Lightning and HF Trainer: minutes)
+  timeout 560 python3 benchmarks/bench_trainers.py --loops mlp,token,cnn,resnet --out "$out" \
+    > "$out/bench-trainers-loops.log" 2>&1
+  tail -30 "$out/bench-trainers-loops.log"
 fi
 if [[ $part == *l* ]]; then  # (windows of 0.6 s: about 5 minutes)
   timeout 330 python3 benchmarks/bench_loops.py --steps mlp,token --out "$out" > "$out/bench-loops-small.log" 2>&1

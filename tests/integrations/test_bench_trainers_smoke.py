@@ -12,14 +12,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_trainers_smoke(tmp_path):
-    for name in ("accelerate", "lightning", "transformers", "timm"):
-        pytest.importorskip(name)
+def _load():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # (bench_loops, for --loops)
     spec = importlib.util.spec_from_file_location("bench_trainers", ROOT / "benchmarks" / "bench_trainers.py")
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     sys.modules["bench_trainers"] = bench
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_trainers_smoke(tmp_path):
+    for name in ("accelerate", "lightning", "transformers", "timm"):
+        pytest.importorskip(name)
+    bench = _load()
     assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "trainers-cpu.json").read_text())
     assert (tmp_path / "trainers-cpu.md").is_file()
@@ -55,3 +61,16 @@ def test_bench_trainers_under_two_launched_processes(tmp_path):
     assert sorted((r["rank"], r["method"]) for r in doc["rows"]) == [
         (0, "gpufeed"), (0, "own"), (1, "gpufeed"), (1, "own")]
     assert all("error" not in r and r["steps_per_s"] > 0 for r in doc["rows"])
+
+
+def test_bench_trainers_smoke_trains_the_loops_steps(tmp_path):
+    """``--loops``: the loops benchmark's steps (models, batches, losses) in accelerate, Lightning and HF
+    Trainer, a row a (step, trainer, method); timm, which trains its own image loop, is left out."""
+    for name in ("accelerate", "lightning", "transformers"):
+        pytest.importorskip(name)
+    bench = _load()
+    assert bench.main(["--smoke", "--loops", "mlp,token", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "trainers-loops-cpu.json").read_text())
+    rows = {(r["loop"], r["trainer"], r["method"]) for r in doc["rows"] if "error" not in r}
+    trainers = ("accelerate", "lightning", "hf_trainer")
+    assert rows == {(step, t, m) for step in ("mlp", "token") for t in trainers for m in ("own", "gpufeed")}
