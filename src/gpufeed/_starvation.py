@@ -78,7 +78,7 @@ class GpuWaits:
         self.inline = False  # the current call issued a copy on the loop's stream
         self._free: list[Any] = []
         self._pending: collections.deque[_Pending] = collections.deque()
-        self._asked: tuple[Any, tuple[float, float, float]] | None = None
+        self._asked: tuple[Any, tuple[float, float, float], int] | None = None  # (event, mark, index)
         self._epoch = 0
         self._calls = 0  # asked() calls so far
         self._next = 0  # the call measured next
