@@ -289,6 +289,17 @@ def test_an_event_goes_back_to_the_free_list_only_after_its_last_reading(clock, 
     assert stats.waited_batches > 64 and stats.starved_fraction == pytest.approx(0.3)
 
 
+def test_an_ok_loop_names_what_holds_it_the_gpu_or_its_own_thread():
+    """On CUDA an ok verdict says what the limit is: the GPU's work, or the loop's thread where that is
+    busy outside next() for nearly all of the GPU's step (a 20 ms CPU step: bench_verdict's cpu_step)."""
+    gpu = PrefetchStats(device="cuda", batches=101, waited_batches=100, span_s=1.0, waited_s=0.01,
+                        wall_s=0.10, wait_s=0.02)
+    assert gpu.verdict().next_step == "none: the GPU's work is the limit, not the input"
+    cpu_step = PrefetchStats(device="cuda", batches=101, waited_batches=100, span_s=2.04, waited_s=0.07,
+                             wall_s=2.10, wait_s=0.08)
+    assert cpu_step.verdict().next_step.startswith("none: the loop's own work on its thread")
+
+
 def test_gpu_idle_while_the_loader_fetches_is_the_loader_s(clock):
     """Each next() takes the loader 8 ms while the 2 ms step has long finished: the GPU waits 8 ms a
     batch, all of it the loader's (the thread's whole call was a fetch)."""

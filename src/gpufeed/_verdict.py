@@ -55,9 +55,23 @@ def judge(s: PrefetchStats) -> Verdict:
         return Verdict("no verdict", f"the loop did no work ({us:.0f} us a batch): its waits time the "
                                      "input alone", "")
     if s.starved_fraction < INPUT_BOUND_SHARE:
-        limit = "the GPU's work" if s.device == "cuda" else "the loop's own work"
-        return Verdict("ok", "", f"none: {limit} is the limit, not the input")
+        return Verdict("ok", "", f"none: {_limit(s)} is the limit, not the input")
     return Verdict("INPUT-BOUND", "", next_step(s))
+
+
+#: On CUDA, a loop whose thread is busy outside ``next()`` for at least this share of the GPU's step is held
+#: by its own thread (Python, kernel launches), not by the GPU: the GPU's step cannot be shorter than the
+#: time the thread takes to queue it.
+THREAD_BOUND_SHARE = 0.9
+
+
+def _limit(s: PrefetchStats) -> str:
+    """What holds a loop the input does not hold."""
+    if s.device != "cuda":
+        return "the loop's own work"
+    if s.loop_us >= THREAD_BOUND_SHARE * s.step_us:
+        return "the loop's own work on its thread (Python, kernel launches)"
+    return "the GPU's work"
 
 
 def next_step(s: PrefetchStats) -> str:
