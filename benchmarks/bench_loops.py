@@ -311,20 +311,26 @@ class BankDataset(Dataset):
         return [t[j] for t in self.bank] if len(self.bank) > 1 else self.bank[0][j]
 
 
+def make_bank(spec: StepSpec, rows: int) -> list[torch.Tensor]:
+    """``rows`` random samples of ``spec`` (and their labels, where it has them), made once: the bank a
+    step's batches are cut from."""
+    g = torch.Generator().manual_seed(0)
+    if spec.dtype.is_floating_point:
+        bank = [torch.rand(rows, *spec.sample, generator=g, dtype=spec.dtype)]
+    else:
+        bank = [torch.randint(0, spec.vocab, (rows, *spec.sample), generator=g, dtype=spec.dtype)]
+    if spec.labels:
+        bank.append(torch.randint(0, spec.labels, (rows,), generator=g))
+    return bank
+
+
 class StepData:
     """One step's host data: the bank (made before any worker forks) and distinct batches for the lists.
 
     ``warm`` and ``epoch`` (batches an epoch: warm-up + timed) are set once the ideal sized the windows."""
 
     def __init__(self, spec: StepSpec, cfg: Config) -> None:
-        g = torch.Generator().manual_seed(0)
-        rows = spec.bank_rows or max(spec.batch, cfg.pool_bytes // spec.sample_bytes)
-        if spec.dtype.is_floating_point:
-            self.bank = [torch.rand(rows, *spec.sample, generator=g, dtype=spec.dtype)]
-        else:
-            self.bank = [torch.randint(0, spec.vocab, (rows, *spec.sample), generator=g, dtype=spec.dtype)]
-        if spec.labels:
-            self.bank.append(torch.randint(0, spec.labels, (rows,), generator=g))
+        self.bank = make_bank(spec, spec.bank_rows or max(spec.batch, cfg.pool_bytes // spec.sample_bytes))
         self.spec, self.cuda, self.warm, self.epoch = spec, cfg.cuda, cfg.warmup, 0
         n = max(2, cfg.pool_bytes // (spec.batch * spec.sample_bytes))
         self.pool = [self._batch(k) for k in range(n)]

@@ -51,9 +51,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by a test
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, bench_loops; also when loaded by a test
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from _common import card_name, parser, pick_device, run_info, save_results
+from bench_loops import classify
 
 from gpufeed import CudaPrefetcher
 
@@ -189,29 +190,17 @@ class Work:
     loss: Callable[[nn.Module, Any], torch.Tensor]
 
 
-def classify(model: nn.Module, batch: Any) -> torch.Tensor:
-    x, y = batch
-    return nn.functional.cross_entropy(model(x), y)
-
-
 def works(cfg: Config) -> list[Work]:
     """The MLP over float32 rows; or, with ``--loops``, the loops benchmark's steps."""
     if not cfg.loops:
         return [Work("rows", lambda: MLP(cfg.features, cfg.hidden), lambda n: Rows(n, cfg.features),
                      cfg.batch, cfg.batch * cfg.features * 4, classify)]
-    from bench_loops import BankDataset, step_specs
+    from bench_loops import BankDataset, make_bank, step_specs
 
     out = []
     for name in cfg.loops:
         spec = step_specs(cfg.smoke)[name]
-        g = torch.Generator().manual_seed(0)
-        rows = spec.bank_rows or max(spec.batch, 64)
-        if spec.dtype.is_floating_point:
-            bank = [torch.rand(rows, *spec.sample, generator=g, dtype=spec.dtype)]
-        else:
-            bank = [torch.randint(0, spec.vocab, (rows, *spec.sample), generator=g, dtype=spec.dtype)]
-        if spec.labels:
-            bank.append(torch.randint(0, spec.labels, (rows,), generator=g))
+        bank = make_bank(spec, spec.bank_rows or max(spec.batch, 64))
         out.append(Work(name, spec.build, lambda n, bank=bank: BankDataset(bank, n), spec.batch,
                         spec.batch * spec.sample_bytes, spec.loss))
     return out

@@ -7,7 +7,9 @@ manager ``torch.cuda.stream`` costs more than a small batch's copy; docs/design.
 
 from __future__ import annotations
 
+import collections
 import functools
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -35,6 +37,7 @@ class DeviceBatch(NamedTuple):
     state: Any
     stream: Any  # the stream the batch's device tensors were allocated on (the consumer's then)
     fresh: list[torch.Tensor] | None  # those device tensors (None: every device tensor of ``batch``)
+    timed: bool = False  # its copies were timed (``_Costs``): so is its hand-over's wait
 
 
 class DeviceStage:
@@ -66,6 +69,7 @@ class DeviceStage:
     def __init__(self, device: torch.device, transform: Callable[[Any], Any] | None,
                  stats: PrefetchStats, measure: bool = True) -> None:
         self.device = device
+        self._pid = os.getpid()  # (a forked child inherits the stage, and must make no CUDA call)
         self.transform = transform
         self.stats = stats
         self.cuda = device.type == "cuda"
@@ -150,7 +154,7 @@ class DeviceStage:
         if start is not None:
             self._timed.append((start, end, nbytes))
         self._collect_timing()
-        return DeviceBatch(batch, end, hb.state, consumer, fresh)
+        return DeviceBatch(batch, end, hb.state, consumer, fresh, start is not None)
 
     def _staging(self, leaves: list[Any], out: list[Any], pageable: list[int]) -> list[Callable[[], None]]:
         """Allocate the device tensors of the pageable ``leaves`` (into ``out``); the jobs that stage them."""
@@ -271,9 +275,12 @@ class DeviceStage:
         if self.meter is not None:
             self.meter.handed(stream, item.event)
         if item.event is not None:
-            t0 = time.perf_counter()
-            item.event.wait(stream)
-            self.costs.side_wait(time.perf_counter() - t0)
+            if item.timed:  # (the batches timed on the copy stream time their hand-over too)
+                t0 = time.perf_counter()
+                item.event.wait(stream)
+                self.costs.side_wait(time.perf_counter() - t0)
+            else:
+                item.event.wait(stream)
         if stream is not item.stream:  # the loop switched streams since: guard the memory on this one too
             if item.event is None:
                 stream.wait_stream(item.stream)
@@ -284,9 +291,14 @@ class DeviceStage:
                 t.record_stream(stream)
         return item.batch
 
-    def drop(self, items: list[Any]) -> None:
-        """Let go of batches never handed over: the stream their tensors were allocated on waits on their
-        copies first, so the allocator cannot hand that memory to the loop while a copy still writes it."""
+    def drop(self, ahead: collections.deque[Any]) -> None:
+        """Let go of the batches in ``ahead``, never handed over (``ahead`` is emptied): the stream their
+        tensors were allocated on waits on their copies first, so the allocator cannot hand that memory to
+        the loop while a copy still writes it. Not in a forked child, where CUDA cannot be called."""
+        items = list(ahead)
+        ahead.clear()
+        if os.getpid() != self._pid:
+            return
         for item in items:
             if type(item) is DeviceBatch and item.event is not None:
                 item.event.wait(item.stream)

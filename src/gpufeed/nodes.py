@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import os
 import time
 import weakref
 from collections.abc import Callable
@@ -85,11 +84,11 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
         self.device = resolve_device(device)
         self.depth = depth
         self.transform = transform
-        self.stats = PrefetchStats()
+        self.stats = PrefetchStats(device=self.device.type, depth=depth, loader=type(source_node).__name__)
         self._stage = DeviceStage(self.device, transform, self.stats)
         self._ahead: collections.deque[Any] = collections.deque()
         # (collected with batches ahead, as when a Loader is dropped mid-epoch: their memory fenced too)
-        weakref.finalize(self, _drop_ahead, self._ahead, self._stage, os.getpid())
+        weakref.finalize(self, self._stage.drop, self._ahead)
         self._ended = True  # the upstream is exhausted (or failed): nothing more to take until reset
         self._state: Any = None  # the upstream's state after the last batch handed out
         self._handed = 0  # batches handed out since the last reset
@@ -151,18 +150,10 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
 
     def _drop(self) -> None:
         """Drop the batches in flight (``DeviceStage.drop``: their memory's stream waits on their copies)."""
-        _drop_ahead(self._ahead, self._stage, os.getpid())
+        self._stage.drop(self._ahead)
 
     def _account(self, mark: tuple[float, float, float]) -> None:
         """Your loop's wait since ``mark``, counted as ``CudaPrefetcher``'s (``PrefetchStats.served``)."""
         self._last_t = self.stats.served(mark, self._last_t, not self._stage.cuda)
         self.stats.batches += 1
 
-
-def _drop_ahead(ahead: collections.deque[Any], stage: DeviceStage, pid: int) -> None:
-    """Drop the batches in ``ahead`` through ``stage.drop`` (not in a forked child, where CUDA cannot be
-    called)."""
-    items = list(ahead)
-    ahead.clear()
-    if os.getpid() == pid:
-        stage.drop(items)

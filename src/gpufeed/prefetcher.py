@@ -234,7 +234,7 @@ class _Epoch:
         self._taken = 0  # batches taken from the loader
         self._busy = threading.Lock()  # held while the loop's thread takes from the loader
         self._kept: collections.deque[Any] = collections.deque(maxlen=2)
-        self._finalizer = weakref.finalize(self, _end_epoch, batches, self._ahead, self._stage, os.getpid())
+        self._finalizer = weakref.finalize(self, _end_epoch, batches, self._ahead, self._stage)
         if self._stage.meter is not None:
             self._stage.meter.new_epoch()
 
@@ -338,14 +338,10 @@ class _Epoch:
                 self._busy.release()
 
 
-def _end_epoch(batches: Iterator[Any], ahead: collections.deque[Any], stage: DeviceStage, pid: int) -> None:
+def _end_epoch(batches: Iterator[Any], ahead: collections.deque[Any], stage: DeviceStage) -> None:
     """End an epoch (``close()``, or ``break``/``del``/GC of its iterator): drop the batches taken ahead,
-    their memory fenced behind their copies (not in a forked child, where CUDA cannot be called), and close
-    the loader's iteration."""
-    items = list(ahead)
-    ahead.clear()
-    if os.getpid() == pid:
-        stage.drop(items)
+    their memory fenced behind their copies (``DeviceStage.drop``), and close the loader's iteration."""
+    stage.drop(ahead)
     close = getattr(batches, "close", None)
     if close is not None:
         try:

@@ -22,38 +22,39 @@ from gpufeed.loaders._epochs import Epochs
 STATE_VERSION = 1
 
 #: Iterations starting their workers now (from ``iter()`` to the first batch). A process forked meanwhile
-#: is one of their workers: it freezes the collector's objects it inherited, first thing (:func:`_fork`).
+#: is one of their workers: it freezes the collector's objects it inherited (:func:`_after_fork`).
 _starting = 0
 _collecting: bool | None = None  # across a fork of a worker: whether the collector was on before it
 
 
-def _fork(when: str) -> None:
-    """Around a fork while an iteration starts its workers: the collector is off across the fork, and the
-    child, a worker, freezes every object it inherited before turning it back on.
+def _before_fork() -> None:
+    """Before a fork while an iteration starts its workers: the collector off across it, so that no
+    collection runs in the child before it freezes (other fork handlers allocate first)."""
+    global _collecting
+    if _starting > 0:
+        _collecting = gc.isenabled()
+        gc.disable()
+
+
+def _after_fork(child: bool) -> None:
+    """After it: the child, a worker, freezes every object it inherited; both turn the collector back on.
 
     The main process's unreachable cycles are copied into the worker; collected there, their CUDA objects
     (an event, a device tensor, a block of pinned memory) would make a CUDA call in the child and abort
-    it. Frozen, the worker never collects them (nor dirties their pages); off across the fork, no
-    collection runs in the child before the freeze (other fork handlers allocate first). The main
-    process's collector is left as it was: a program's own ``gc.freeze()`` or ``gc.disable()`` stays its
-    own."""
+    it. Frozen, the worker never collects them (nor dirties their pages). The main process's collector is
+    left as it was: a program's own ``gc.freeze()`` or ``gc.disable()`` stays its own."""
     global _collecting
-    if when == "before":
-        if _starting > 0:
-            _collecting = gc.isenabled()
-            gc.disable()
-        return
     if _collecting is None:
         return
-    if when == "child":
+    if child:
         gc.freeze()
     if _collecting:
         gc.enable()
     _collecting = None
 
 
-os.register_at_fork(before=lambda: _fork("before"), after_in_parent=lambda: _fork("parent"),
-                    after_in_child=lambda: _fork("child"))
+os.register_at_fork(before=_before_fork, after_in_parent=lambda: _after_fork(False),
+                    after_in_child=lambda: _after_fork(True))
 
 
 def has_workers(loader: Any) -> bool:
@@ -195,7 +196,7 @@ def _batches(loader: Any, arena: WorkerArena | None) -> Iterator[HostBatch]:
 
     While the iteration starts its workers (at ``iter()`` for a DataLoader, at the first ``next()`` for a
     wrapper that iterates one lazily, as accelerate's do), the DataLoader's ``collate_fn`` is the arena's,
-    and a process forked meanwhile, a worker, freezes the objects it inherited (:func:`_fork`).
+    and a process forked meanwhile, a worker, freezes the objects it inherited (:func:`_after_fork`).
     Both end when the first batch arrives."""
     inner = _workers_of(loader)
     collate = arena.begin(inner) if arena is not None and has_workers(inner) else None
@@ -210,7 +211,8 @@ def _batches(loader: Any, arena: WorkerArena | None) -> Iterator[HostBatch]:
     try:
         it = iter(loader)
         for batch in it:
-            starting = _started(starting, inner, collate, original)
+            if starting:  # (the first batch: the workers started)
+                starting = _started(starting, inner, collate, original)
             if type(batch) is SlotBatch:
                 views, rebuild, lease = arena.open(batch)
                 yield HostBatch(rebuild(views), lease)
