@@ -117,11 +117,40 @@ def test_small_batches_go_on_the_loop_s_stream_once_their_copy_costs_less_than_t
         for _ in range(2):
             got = [b for b in pf]
             assert [float(t[0]) for t in got] == [float(i) for i in range(64)]
-    assert 64 <= pf.stats.loop_stream_batches < 128  # timed ones, one in TIME_EVERY, go on the copy stream
+    assert 120 <= pf.stats.loop_stream_batches < 128  # the first ones measure the copy stream, on it
     big = [torch.full((16 << 20,), float(i)).pin_memory() for i in range(8)]  # 64 MiB: a millisecond a copy
     with CudaPrefetcher(big) as pf:
         assert [float(b[-1]) for b in pf] == [float(i) for i in range(8)]
     assert pf.stats.loop_stream_batches == 0
+
+
+def test_small_pageable_batches_are_pinned_and_copied_on_the_loop_s_stream_exactly():
+    """A small pageable batch goes on the loop's stream too, pinned leaf by leaf (small leaves packed)
+    and copied as ``pin_memory()`` + ``.to(non_blocking=True)`` would, its bytes exact while the host
+    tensors are overwritten right after ``next()``."""
+    data = [{"x": torch.full((1 << 16,), float(i)), "y": torch.arange(8) + i, "z": torch.tensor(i)}
+            for i in range(40)]
+    src = [{k: v.clone() for k, v in b.items()} for b in data]
+    with CudaPrefetcher(src) as pf:
+        got = []
+        for i, b in enumerate(pf):
+            got.append(b)
+            for v in src[i].values():
+                v.zero_()
+            torch.cuda._sleep(200_000)  # the loop's stream busy: copies queued on it land later
+        torch.cuda.synchronize()
+    for g, d in zip(got, data, strict=True):
+        assert all(torch.equal(g[k].cpu(), d[k]) for k in d)
+    assert pf.stats.loop_stream_batches >= 36 and pf.stats.staged_bytes == pf.stats.bytes
+
+
+def test_the_link_is_measured_once_as_a_latency_and_a_rate():
+    from gpufeed._device import link_cost
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    latency, rate = link_cost(device)
+    assert 0 <= latency < 1e-3 and 1e9 < rate < 1e12  # (PCIe 3 x16 to NVLink-C2C)
+    assert link_cost(device) == (latency, rate)
 
 
 def test_cuda_objects_in_a_reference_cycle_are_never_collected_in_a_forked_worker():

@@ -27,6 +27,9 @@ from gpufeed.stats import PrefetchStats
 #: One batch in this many has its copies timed with CUDA events (``PrefetchStats.copy_s``): a timed batch
 #: costs two more events, and a rate needs only a sample.
 TIME_EVERY = 16
+#: Of the batches that go on the loop's stream, one in this many goes on the copy stream instead, to
+#: measure its calls again (they change with the loop's load); it costs the loop about one hand-over more.
+RECHECK_EVERY = 256
 
 
 class DeviceBatch(NamedTuple):
@@ -78,7 +81,7 @@ class DeviceStage:
         self.stager = Stager(pin=self.cuda)
         self.pinning = self.cuda  # pageable tensors are staged through pinned memory (until it fails)
         self._fence = torch.cuda.Event() if self.cuda else None
-        self.costs = _Costs()
+        self.costs = _Costs(link_cost(device) if self.cuda else None)
         self.meter = GpuWaits(stats) if self.cuda and measure else None
         if self.meter is not None:  # (weak: the meter holds the stats, and no cycle may hold CUDA objects)
             stats._refresh = weakref.WeakMethod(self.meter.refresh)
@@ -173,8 +176,10 @@ class DeviceStage:
         device = self.device
         for i in pinned:
             out[i] = leaves[i].to(device, non_blocking=True)
-        for job in self._staging(leaves, out, pageable):
-            job()
+        if pageable:
+            host = [leaves[i] for i in pageable]
+            for i, t in zip(pageable, self._send(host), strict=True):
+                out[i] = t
         batch = rebuild(out)
         if self.transform is not None:
             with _nvtx.range("gpufeed.transform"):
@@ -233,6 +238,21 @@ class DeviceStage:
                 warn_pageable("pinned allocation failed")
         job()  # (the stager now stages through pageable clones: correct, synchronous)
 
+    def _send(self, host: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copy pageable ``host`` tensors through pinned memory on the current stream now (``Stager.send``);
+        where pinned memory cannot be had, from pageable memory instead (and say so once)."""
+        t0 = time.perf_counter()
+        if self.pinning:
+            try:
+                outs = self.stager.send(host, self.device)
+                self.stats.add(staged_bytes=sum(t.nbytes for t in host), stage_s=time.perf_counter() - t0)
+                return outs
+            except PinnedUnavailable:  # (the copies already issued read memory kept until they complete)
+                self.pinning = False
+                self.stager.pin = False
+                warn_pageable("pinned allocation failed")
+        return self.stager.send(host, self.device)
+
     def _transform(self, batch: Any, fresh: list[torch.Tensor],
                    consumer: Any) -> tuple[Any, list[torch.Tensor]]:
         """Apply the transform on the copy stream. Its inputs were allocated on the consumer's stream and
@@ -256,9 +276,7 @@ class DeviceStage:
     def _collect_timing(self) -> None:
         while self._timed and self._timed[0][1].query():
             start, end, nbytes = self._timed.pop(0)
-            seconds = start.elapsed_time(end) / 1e3
-            self.stats.add(copy_s=seconds, timed_bytes=nbytes)
-            self.costs.copied(nbytes, seconds)
+            self.stats.add(copy_s=start.elapsed_time(end) / 1e3, timed_bytes=nbytes)
 
     # -- hand-over ---------------------------------------------------------------------------------
 
@@ -318,28 +336,27 @@ class _Costs:
     The copy stream lets a copy overlap the loop's kernels, and costs the loop's thread its own calls (a
     fence, an event, the hand-over's wait: tens of microseconds, more while the GPU is busy). The loop's
     stream costs none of them, and puts the copy in line with the loop's kernels. So a batch goes on the
-    loop's stream when its copy takes less time than the copy stream's calls would: both measured here, on
-    the batches timed on the copy stream (one in ``TIME_EVERY``, and every batch until both are known), as
-    moving averages, so the choice follows the machine and the loop's load. Nothing is tuned to a card.
+    loop's stream when its copy takes less time on the GPU than the copy stream's calls take the loop's
+    thread: the copy's time from the link's latency and rate (:func:`link_cost`, measured once), the calls
+    on the timed batches copied on the copy stream (every batch until known, then one in ``TIME_EVERY``;
+    of the batches that would go on the loop's stream, one in ``RECHECK_EVERY``), as a moving average, so
+    the choice follows the loop's load. Nothing is tuned to a card.
     """
 
-    def __init__(self) -> None:
-        self.rate: float | None = None  # bytes a second of the timed copies
+    def __init__(self, link: tuple[float, float] | None) -> None:
+        self.link = link  # (latency s, bytes a second) of a pinned copy; None: not known, no loop stream
         self.calls_s: float | None = None  # the copy stream's calls, a batch (issue and hand-over)
         self._issue_s: float | None = None
         self._wait_s: float | None = None
 
     def timed(self, count: int) -> bool:
-        return self.rate is None or self.calls_s is None or count % TIME_EVERY == 0
+        return self.calls_s is None or count % TIME_EVERY == 0
 
     def on_loop_stream(self, nbytes: int, count: int) -> bool:
-        if self.timed(count):
+        if self.link is None or self.calls_s is None:
             return False
-        return nbytes / self.rate < self.calls_s
-
-    def copied(self, nbytes: int, seconds: float) -> None:
-        if seconds > 0 and nbytes:
-            self.rate = _average(self.rate, nbytes / seconds)
+        latency, rate = self.link
+        return latency + nbytes / rate < self.calls_s and count % RECHECK_EVERY != 0
 
     def side_calls(self, seconds: float) -> None:
         self._issue_s = _average(self._issue_s, seconds)
@@ -352,6 +369,41 @@ class _Costs:
     def _update(self) -> None:
         if self._issue_s is not None and self._wait_s is not None:
             self.calls_s = self._issue_s + self._wait_s
+
+
+_LINKS: dict[int, tuple[float, float]] = {}
+
+
+def link_cost(device: torch.device) -> tuple[float, float] | None:
+    """The latency (s) and rate (bytes a second) of a pinned host-to-device copy to ``device``, measured
+    once a process on the copy stream: a small and a large copy, each timed three times on the GPU alone
+    (queued behind a sleep kernel, so the CPU's calls are not in it), their best times fitted to
+    ``latency + bytes / rate``. A copy timed inside a loop would count the loop thread's calls between
+    its events, which the same copy on the loop's stream does not cost the GPU. None where pinned memory
+    cannot be had."""
+    cost = _LINKS.get(device.index)
+    if cost is not None:
+        return cost
+    small, large = 64 << 10, 8 << 20
+    try:
+        host = host_memory.pinned_empty(large)
+    except PinnedUnavailable:
+        return None
+    stream = copy_stream(device)
+    dev = torch.empty(large, dtype=torch.uint8, device=device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(6)]
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(1 << 20)  # (about half a millisecond: the copies below queue behind it)
+        for k, (start, end) in enumerate(events):
+            n = small if k % 2 == 0 else large
+            start.record(stream)
+            dev[:n].copy_(host[:n], non_blocking=True)
+            end.record(stream)
+    stream.synchronize()
+    best = {n: min(s.elapsed_time(e) / 1e3 for s, e in events[k::2]) for k, n in enumerate((small, large))}
+    rate = (large - small) / max(best[large] - best[small], 1e-9)
+    cost = _LINKS[device.index] = (max(best[small] - small / rate, 0.0), rate)
+    return cost
 
 
 _COPY_STREAMS: dict[int, torch.cuda.Stream] = {}

@@ -77,23 +77,55 @@ class Stager:
         """
         outs: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
         jobs: list[Job] = []
+        for group in self._groups(tensors):
+            if len(group) > 1:
+                jobs.append(self._pack([tensors[j] for j in group], group, outs, device))
+                continue
+            t = tensors[group[0]]
+            outs[group[0]] = torch.empty(t.shape, dtype=t.dtype, device=device)
+            if t.numel():
+                jobs.append(functools.partial(self._send, t, outs[group[0]]))
+        return outs, jobs
+
+    def send(self, tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """The device copies of ``tensors``, issued now on the current stream: a tensor of its own as
+        pinned, then ``.to(device, non_blocking=True)`` (one call that allocates and copies, as a loop
+        without gpufeed does), small ones packed as :meth:`prepare` packs them.
+
+        Raises :class:`~gpufeed.host_memory.PinnedUnavailable` where pinned memory cannot be had.
+        """
+        outs: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+        for group in self._groups(tensors):
+            t = tensors[group[0]]
+            if len(group) > 1:
+                self._pack([tensors[j] for j in group], group, outs, device)()
+            elif 0 < t.nbytes <= self.chunk_bytes:
+                outs[group[0]] = self._pinned(t.contiguous()).to(device, non_blocking=True)
+            else:  # (empty, or pinned and sent chunk by chunk)
+                outs[group[0]] = torch.empty(t.shape, dtype=t.dtype, device=device)
+                if t.numel():
+                    self._send(t, outs[group[0]])
+        return outs
+
+    def _groups(self, tensors: list[torch.Tensor]) -> list[list[int]]:
+        """The indices of ``tensors`` in the order they are sent: a tensor alone (larger than
+        ``PACK_LEAF_BYTES``, or empty), or small ones packed together, up to ``PACK_BYTES`` a pack."""
         limit = min(self.chunk_bytes, PACK_BYTES)  # a packed block's size at most
+        groups: list[list[int]] = []
         pack: list[int] = []  # the tensors of the next packed block
         size = 0  # their bytes, each rounded up to ALIGN
         for i, t in enumerate(tensors):
             if t.nbytes > min(PACK_LEAF_BYTES, limit) or t.numel() == 0:
-                outs[i] = torch.empty(t.shape, dtype=t.dtype, device=device)
-                if t.numel():
-                    jobs.append(functools.partial(self._send, t, outs[i]))
+                groups.append([i])
                 continue
             if pack and size + aligned(t.nbytes) > limit:
-                jobs.append(self._pack([tensors[j] for j in pack], pack, outs, device))
+                groups.append(pack)
                 pack, size = [], 0
             pack.append(i)
             size += aligned(t.nbytes)
         if pack:
-            jobs.append(self._pack([tensors[j] for j in pack], pack, outs, device))
-        return outs, jobs
+            groups.append(pack)
+        return groups
 
     def _pack(self, members: list[torch.Tensor], where: list[int], outs: list[torch.Tensor],
               device: torch.device) -> Job:
@@ -102,9 +134,6 @@ class Stager:
         ``ALIGN``-aligned offset (padding between them described by meta tensors), so that each region's
         views and copies are one torch call for all its tensors (``_unflatten_dense_tensors``,
         ``_foreach_copy_``, as DDP's gradient buckets do), not a few per tensor."""
-        if len(members) == 1:  # alone: pinned with one call that allocates and copies
-            outs[where[0]] = torch.empty(members[0].shape, dtype=members[0].dtype, device=device)
-            return functools.partial(self._send, members[0], outs[where[0]])
         regions: dict[torch.dtype, list[int]] = {}
         for k, t in enumerate(members):
             regions.setdefault(t.dtype, []).append(k)
