@@ -390,9 +390,9 @@ def link_cost(device: torch.device) -> tuple[float, float] | None:
     except PinnedUnavailable:
         return None
     stream = copy_stream(device)
-    dev = torch.empty(large, dtype=torch.uint8, device=device)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(6)]
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream):  # (the device buffer allocated on the stream that writes it)
+        dev = torch.empty(large, dtype=torch.uint8, device=device)
         torch.cuda._sleep(1 << 20)  # (about half a millisecond: the copies below queue behind it)
         for k, (start, end) in enumerate(events):
             n = small if k % 2 == 0 else large

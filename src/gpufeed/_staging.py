@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._utils import _unflatten_dense_tensors
@@ -75,7 +76,7 @@ class Stager:
 
         A job raises :class:`~gpufeed.host_memory.PinnedUnavailable` where pinned memory cannot be had.
         """
-        outs: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+        outs: list[Any] = [None] * len(tensors)
         jobs: list[Job] = []
         for group in self._groups(tensors):
             if len(group) > 1:
@@ -94,7 +95,7 @@ class Stager:
 
         Raises :class:`~gpufeed.host_memory.PinnedUnavailable` where pinned memory cannot be had.
         """
-        outs: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+        outs: list[Any] = [None] * len(tensors)
         for group in self._groups(tensors):
             t = tensors[group[0]]
             if len(group) > 1:

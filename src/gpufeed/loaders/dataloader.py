@@ -174,6 +174,9 @@ class LoaderAdapter(Epochs):
         self._end_state = None
         batches = _batches(loader, arena)
         try:
+            if not stateful:  # (handed on as they come: one generator's step a batch, not two)
+                yield from batches
+                return
             for batch in batches:
                 state = None
                 if stateful:
