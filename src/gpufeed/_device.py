@@ -167,7 +167,9 @@ class DeviceStage:
         staged, jobs = self.stager.prepare(host, self.device)
         for i, t in zip(pageable, staged, strict=True):
             out[i] = t
-        return [functools.partial(self._staged, job, host, staged) for job in jobs]
+        if self.pinning:  # (counted once a batch: each job stages a part of it)
+            self.stats.staged_bytes += sum(t.nbytes for t in host)
+        return [functools.partial(self._staged, job) for job in jobs]
 
     def _on_loop_stream(self, hb: HostBatch, leaves: list[Any], rebuild: Any, out: list[Any],
                         pinned: list[int], pageable: list[int], consumer: Any) -> DeviceBatch:
@@ -223,14 +225,14 @@ class DeviceStage:
             self.costs.side_calls(time.perf_counter() - t2 + t1 - t0)
         return start, end
 
-    def _staged(self, job: Callable[[], None], leaves: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+    def _staged(self, job: Callable[[], None]) -> None:
         """Run one staging job; where pinned memory cannot be had, copy from pageable memory instead (and
         say so once)."""
         t0 = time.perf_counter()
         if self.pinning:
             try:
                 job()
-                self.stats.add(staged_bytes=sum(t.nbytes for t in leaves), stage_s=time.perf_counter() - t0)
+                self.stats.stage_s += time.perf_counter() - t0
                 return
             except PinnedUnavailable:
                 self.pinning = False
