@@ -90,12 +90,12 @@ class DeviceStage:
 
     # -- copy ------------------------------------------------------------------------------------
 
+    @_nvtx.ranged("gpufeed.copy")
     def copy(self, hb: HostBatch) -> DeviceBatch:
         """Issue the copies of ``hb`` (its host memory goes back once they complete). On CUDA, runs on the
         consumer's thread, whose current stream is the consumer's."""
         try:
-            with _nvtx.range("gpufeed.copy"):
-                return self._to_cuda(hb) if self.cuda else self._to_cpu(hb)
+            return self._to_cuda(hb) if self.cuda else self._to_cpu(hb)
         except BaseException as exc:  # the batch is never handed out: its memory goes back once no copy
             if hb.lease is not None:  # reads it (a lease already called ignores this call)
                 if self.stream is not None:
@@ -168,7 +168,7 @@ class DeviceStage:
         for i, t in zip(pageable, staged, strict=True):
             out[i] = t
         if self.pinning:  # (counted once a batch: each job stages a part of it)
-            self.stats.staged_bytes += sum(t.nbytes for t in host)
+            self.stats.staged_bytes += sum([t.nbytes for t in host])
         return [functools.partial(self._staged, job) for job in jobs]
 
     def _on_loop_stream(self, hb: HostBatch, leaves: list[Any], rebuild: Any, out: list[Any],
@@ -247,7 +247,7 @@ class DeviceStage:
         if self.pinning:
             try:
                 outs = self.stager.send(host, self.device)
-                self.stats.add(staged_bytes=sum(t.nbytes for t in host), stage_s=time.perf_counter() - t0)
+                self.stats.add(staged_bytes=sum([t.nbytes for t in host]), stage_s=time.perf_counter() - t0)
                 return outs
             except PinnedUnavailable:  # (the copies already issued read memory kept until they complete)
                 self.pinning = False

@@ -101,7 +101,8 @@ class Stager:
             if len(group) > 1:
                 self._pack([tensors[j] for j in group], group, outs, device)()
             elif 0 < t.nbytes <= self.chunk_bytes:
-                outs[group[0]] = self._pinned(t.contiguous()).to(device, non_blocking=True)
+                t = t.contiguous()
+                outs[group[0]] = (host_memory.pin(t) if self.pin else t.clone()).to(device, non_blocking=True)
             else:  # (empty, or pinned and sent chunk by chunk)
                 outs[group[0]] = torch.empty(t.shape, dtype=t.dtype, device=device)
                 if t.numel():

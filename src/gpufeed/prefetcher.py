@@ -222,7 +222,7 @@ class _Epoch:
 
     def __init__(self, pf: CudaPrefetcher, batches: Iterator[Any]) -> None:
         self._pf = pf  # keeps the prefetcher (stream, arena) alive while the epoch runs
-        self._batches = batches
+        self._fetch = _nvtx.ranged("gpufeed.fetch")(batches.__next__)
         self._stage = pf._stage
         self._stats = pf.stats
         self._ahead: collections.deque[Any] = collections.deque()
@@ -284,8 +284,7 @@ class _Epoch:
             t0 = time.perf_counter()
             try:
                 try:
-                    with _nvtx.range("gpufeed.fetch"):
-                        hb = next(self._batches)
+                    hb = self._fetch()
                 except StopIteration:
                     self._ended = True
                     return
