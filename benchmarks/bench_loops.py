@@ -28,7 +28,7 @@ What it measures: training steps per second (forward, loss, backward, Adam) afte
   side stream, ``record_stream``), ``spdl`` (SPDL's transfer thread: pins and copies on its own stream,
   2 batches queued), ``gpufeed`` (``for b in CudaPrefetcher(loader)``, one prefetcher per (step, feed),
   iterated again every round as across epochs) and ``ideal`` (feed ``resident``: one batch already in
-  VRAM, reused; always measured, first in each step). The ``nodes`` feeds run their own methods, each
+  VRAM, reused; always measured: first in each step, then a window in every round of every feed). The ``nodes`` feeds run their own methods, each
   ending the pipeline as torchdata's docs do: ``nodes_pin_nb`` (``PinMemory`` -> ``Prefetcher``, then
   ``.to(non_blocking=True)`` after the ``Loader``), ``nodes_to`` (``Prefetcher``, then ``.to()``) and
   ``todevice`` (``Prefetcher`` -> gpufeed's ``ToDevice``: collation stays off the loop's thread, as
@@ -41,7 +41,9 @@ the window of a method under half the ideal's rate is cut after 2 x ``--seconds`
 (``--warmup`` steps, at least a tenth of N) is untimed; a device synchronize starts and ends each timed
 window. ``--rounds`` rounds (3) run round-robin over the methods inside each (step, feed), each round
 starting with the next method, so machine drift hits every method alike; each row records the median
-steps/s, and min and max. Without CUDA (``--smoke``) gpufeed runs its CPU path and the peers' streams
+steps/s, and min and max. Each round starts with a window of the ideal, so the ideal row (the median of
+all its windows) spans the same minutes as the rows it is compared with (on a drifting machine the
+token step's list feeds once read 1.3x an ideal measured only at the start). Without CUDA (``--smoke``) gpufeed runs its CPU path and the peers' streams
 degrade to plain loops.
 
 Results: ``loops-<card>.json`` (``rows``: step, feed, method, steps_per_s, min, max, ...), ``.md`` (a table
@@ -327,7 +329,8 @@ def make_bank(spec: StepSpec, rows: int) -> list[torch.Tensor]:
 class StepData:
     """One step's host data: the bank (made before any worker forks) and distinct batches for the lists.
 
-    ``warm`` and ``epoch`` (batches an epoch: warm-up + timed) are set once the ideal sized the windows."""
+    ``warm`` and ``epoch`` (batches an epoch: warm-up + timed) are set once the ideal sized the windows;
+    ``resident`` is the ideal's batch, in VRAM."""
 
     def __init__(self, spec: StepSpec, cfg: Config) -> None:
         self.bank = make_bank(spec, spec.bank_rows or max(spec.batch, cfg.pool_bytes // spec.sample_bytes))
@@ -335,6 +338,7 @@ class StepData:
         n = max(2, cfg.pool_bytes // (spec.batch * spec.sample_bytes))
         self.pool = [self._batch(k) for k in range(n)]
         self._pinned: list[Any] | None = None
+        self.resident: Any = None
 
     def _batch(self, k: int) -> Any:
         rows = (torch.arange(self.spec.batch) + k * self.spec.batch) % len(self.bank[0])
@@ -520,10 +524,11 @@ def summarize(rates: list[float]) -> dict[str, float]:
 
 
 def measure_ideal(trainer: Trainer, data: StepData, cfg: Config) -> dict[str, Any]:
-    """The step over one batch resident in VRAM, ``--rounds`` windows of ``--seconds``; sizes the epochs."""
-    resident = to_device(data.pool[0], cfg.device)
+    """The step over one batch resident in VRAM, ``--rounds`` windows of ``--seconds``; sizes the epochs.
+    More of its windows run in every feed's rounds (:func:`run_feed`): the ideal row is all of them."""
+    data.resident = to_device(data.pool[0], cfg.device)
     spec = data.spec
-    rates = [time_window(trainer, itertools.repeat(resident), cfg.warmup, spec.min_steps, cfg.seconds,
+    rates = [time_window(trainer, itertools.repeat(data.resident), cfg.warmup, spec.min_steps, cfg.seconds,
                          cfg.device) for _ in range(cfg.rounds)]
     row = {"step": spec.name, "feed": "resident", "method": "ideal", **summarize(rates), "rounds": rates}
     timed = min(MAX_STEPS, max(spec.min_steps, round(cfg.seconds * row["steps_per_s"])))
@@ -533,14 +538,19 @@ def measure_ideal(trainer: Trainer, data: StepData, cfg: Config) -> dict[str, An
     return row
 
 
-def run_feed(name: str, feed: Feed, trainer: Trainer, data: StepData, cfg: Config) -> list[dict[str, Any]]:
-    """Every method over one feed, ``--rounds`` rounds round-robin; a row per method (or its error)."""
+def run_feed(name: str, feed: Feed, trainer: Trainer, data: StepData, cfg: Config,
+             ideal: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every method over one feed, ``--rounds`` rounds round-robin; a row per method (or its error). Each
+    round runs a window of the ideal too, added to ``ideal``'s: the machine's speed drifts over a run
+    (clocks, other tenants), and a ratio to the ideal compares windows of the same minutes."""
     methods = methods_for(feed, cfg)
     runners: dict[str, Runner] = {}
     rates: dict[str, list[float]] = {m: [] for m in methods}
     errors: dict[str, str] = {}
     try:
         for r in range(cfg.rounds):
+            ideal["rounds"].append(time_window(trainer, itertools.repeat(data.resident), data.warm,
+                                               data.spec.min_steps, cfg.seconds, cfg.device))
             for m in methods[r % len(methods):] + methods[:r % len(methods)]:
                 if m in errors:
                     continue
@@ -586,7 +596,8 @@ def run_step(spec: StepSpec, cfg: Config, log: Callable[[str], None]) -> list[di
         if not any(fnmatch.fnmatchcase(name, pat) for pat in cfg.feeds):
             continue
         t0 = time.perf_counter()
-        feed_rows = run_feed(name, feed, trainer, data, cfg)
+        feed_rows = run_feed(name, feed, trainer, data, cfg, ideal)
+        ideal.update(summarize(ideal["rounds"]))
         for row in feed_rows:
             _ratios(row, ideal["steps_per_s"])
             log(_progress(row))
@@ -594,6 +605,10 @@ def run_step(spec: StepSpec, cfg: Config, log: Callable[[str], None]) -> list[di
         rows += feed_rows
         if name == "list-pinned":
             data.drop_pinned()
+    for row in rows[1:]:  # (against every window of the ideal)
+        _ratios(row, ideal["steps_per_s"])
+    log(f"{spec.name}: ideal over the whole run {ideal['steps_per_s']:.1f} steps/s "
+        f"(min {ideal['min']:.1f}, max {ideal['max']:.1f})")
     del trainer, data
     free_host_cache()
     return rows
