@@ -165,18 +165,17 @@ class LoaderAdapter(Epochs):
             self._one_shot = False  # said once
         self._iterated = True
         loader = self._factory() if self._factory is not None else self.source
-        return self._host_batches(loader, arena)
-
-    def _host_batches(self, loader: Any, arena: WorkerArena | None) -> Iterator[HostBatch]:
-        """The batches of one iteration of ``loader``, those collated into ``arena`` as views of it, each
-        with the loader's state after it (where that can be taken: the first refusal says why not)."""
-        stateful = self._factory is None and self.not_resumable is None
         self._end_state = None
+        if self._factory is not None or self.not_resumable is not None:  # (no state to take: one generator)
+            return _batches(loader, arena)
+        return self._with_state(loader, arena)
+
+    def _with_state(self, loader: Any, arena: WorkerArena | None) -> Iterator[HostBatch]:
+        """The batches of one iteration of ``loader`` (:func:`_batches`), each with the loader's state
+        after it (where that can be taken: the first refusal says why not)."""
+        stateful = True
         batches = _batches(loader, arena)
         try:
-            if not stateful:  # (handed on as they come: one generator's step a batch, not two)
-                yield from batches
-                return
             for batch in batches:
                 state = None
                 if stateful:
