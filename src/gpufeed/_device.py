@@ -83,13 +83,8 @@ class DeviceStage:
         self._fence = torch.cuda.Event() if self.cuda else None
         self.costs = _Costs(link_cost(device) if self.cuda else None)
         self.meter = GpuWaits(stats) if self.cuda and measure else None
-        #: Called as the loop asks for its next batch, with ``mark`` (when, and ``fetch_s``, ``stage_s``
-        #: then): the meter's, with the loop's stream to look up; None without a meter. (A partial, not a
-        #: method that calls the meter: one Python call a batch less.)
-        self.asked: Callable[[tuple[float, float, float]], None] | None = None
         if self.meter is not None:  # (weak: the meter holds the stats, and no cycle may hold CUDA objects)
             stats._refresh = weakref.WeakMethod(self.meter.refresh)
-            self.asked = functools.partial(self.meter.asked, self.streams.current)
         self._timed: list[tuple[Any, Any, int]] = []  # (start, end, bytes) of sampled batches in flight
         self._count = 0
 
@@ -287,14 +282,18 @@ class DeviceStage:
 
     # -- hand-over ---------------------------------------------------------------------------------
 
+    def asked(self, mark: tuple[float, float, float]) -> None:
+        """The loop asked for its next batch (``mark``: when, and ``fetch_s``, ``stage_s`` then)."""
+        if self.meter is not None:
+            self.meter.asked(self.streams.current, mark)
+
     def hand_over(self, item: DeviceBatch) -> Any:
         """The batch, once the consumer's current stream waits on its copies."""
         if item.stream is None:  # (the CPU)
             return item.batch
         stream = self.streams.current()
-        meter = self.meter
-        if meter is not None and meter.measured is not None:  # (most calls are not measured)
-            meter.handed(stream, item.event)
+        if self.meter is not None:
+            self.meter.handed(stream, item.event)
         if item.event is not None:
             if item.timed:  # (the batches timed on the copy stream time their hand-over too)
                 t0 = time.perf_counter()

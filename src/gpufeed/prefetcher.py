@@ -248,9 +248,8 @@ class _Epoch:
             raise StopIteration
         stats = self._stats
         mark = stats.mark()
-        asked = self._stage.asked
-        if asked is not None and self._last_t is not None:  # (an epoch's first batch: start-up, not judged)
-            asked(mark)
+        if self._last_t is not None:  # (an epoch's first batch is its start-up: not judged)
+            self._stage.asked(mark)
         try:
             with self._busy:
                 self._fill()
