@@ -495,17 +495,25 @@ def sync(device: torch.device) -> None:
 
 
 def time_window(trainer: Trainer, it: Iterator[Any], warm: int, min_steps: int, stop_s: float,
-                device: torch.device) -> float:
+                device: torch.device) -> tuple[float, float]:
     """Steps/s of the steps after ``warm`` untimed ones, to the epoch's end or the first step past
-    ``stop_s`` seconds (once ``min_steps`` ran); a device synchronize at both ends."""
+    ``stop_s`` seconds (once ``min_steps`` ran), a device synchronize at both ends; and the loop thread's
+    time in ``next()`` a timed step, in microseconds (what a method costs the thread that launches the
+    step: steadier than steps/s where the step is bound by that thread)."""
     loss = None
     for _ in range(warm):
         loss = trainer(next(it))
     sync(device)
     t0 = time.perf_counter()
     n = 0
+    inside = 0.0
     # next(), not a for loop: iter() of the peers' prefetchers (as of torchtnt's) starts a new epoch
-    while (batch := next(it, _END)) is not _END:
+    while True:
+        t = time.perf_counter()
+        batch = next(it, _END)
+        inside += time.perf_counter() - t
+        if batch is _END:
+            break
         loss = trainer(batch)
         n += 1
         if n >= min_steps and time.perf_counter() - t0 > stop_s:
@@ -516,7 +524,7 @@ def time_window(trainer: Trainer, it: Iterator[Any], warm: int, min_steps: int, 
         raise RuntimeError("the epoch ended during the warm-up")
     if loss is not None and not math.isfinite(float(loss)):
         raise RuntimeError(f"the loss is {float(loss)}")
-    return n / seconds
+    return n / seconds, inside / n * 1e6
 
 
 def summarize(rates: list[float]) -> dict[str, float]:
@@ -529,7 +537,7 @@ def measure_ideal(trainer: Trainer, data: StepData, cfg: Config) -> dict[str, An
     data.resident = to_device(data.pool[0], cfg.device)
     spec = data.spec
     rates = [time_window(trainer, itertools.repeat(data.resident), cfg.warmup, spec.min_steps, cfg.seconds,
-                         cfg.device) for _ in range(cfg.rounds)]
+                         cfg.device)[0] for _ in range(cfg.rounds)]
     row = {"step": spec.name, "feed": "resident", "method": "ideal", **summarize(rates), "rounds": rates}
     timed = min(MAX_STEPS, max(spec.min_steps, round(cfg.seconds * row["steps_per_s"])))
     data.warm = max(cfg.warmup, timed // 10)
@@ -546,18 +554,21 @@ def run_feed(name: str, feed: Feed, trainer: Trainer, data: StepData, cfg: Confi
     methods = methods_for(feed, cfg)
     runners: dict[str, Runner] = {}
     rates: dict[str, list[float]] = {m: [] for m in methods}
+    inside: dict[str, list[float]] = {m: [] for m in methods}  # the loop thread's us in next() a step
     errors: dict[str, str] = {}
     try:
         for r in range(cfg.rounds):
             ideal["rounds"].append(time_window(trainer, itertools.repeat(data.resident), data.warm,
-                                               data.spec.min_steps, cfg.seconds, cfg.device))
+                                               data.spec.min_steps, cfg.seconds, cfg.device)[0])
             for m in methods[r % len(methods):] + methods[:r % len(methods)]:
                 if m in errors:
                     continue
                 try:
                     if m not in runners:
                         runners[m] = Runner(m, feed.make(data), cfg.device)
-                    rates[m].append(_window(runners[m], trainer, data, cfg))
+                    rate, next_us = _window(runners[m], trainer, data, cfg)
+                    rates[m].append(rate)
+                    inside[m].append(next_us)
                 except Exception as exc:  # keep the other rows of a scarce GPU run; the row says what failed
                     traceback.print_exc()
                     errors[m] = f"{type(exc).__name__}: {exc}"
@@ -570,11 +581,12 @@ def run_feed(name: str, feed: Feed, trainer: Trainer, data: StepData, cfg: Confi
         runners.clear()
         gc.collect()  # the loaders' persistent workers shut down here
     return [{"step": data.spec.name, "feed": name, "method": m,
-             **({"error": errors[m]} if m in errors else {**summarize(rates[m]), "rounds": rates[m]})}
+             **({"error": errors[m]} if m in errors else {**summarize(rates[m]), "rounds": rates[m],
+                                                         "next_us": statistics.median(inside[m])})}
             for m in methods]
 
 
-def _window(runner: Runner, trainer: Trainer, data: StepData, cfg: Config) -> float:
+def _window(runner: Runner, trainer: Trainer, data: StepData, cfg: Config) -> tuple[float, float]:
     it = runner.epoch()
     try:
         return time_window(trainer, it, data.warm, data.spec.min_steps, SLOW_CAP * cfg.seconds, cfg.device)
@@ -761,6 +773,12 @@ def _step_table(step: str, what: str, rows: list[dict[str, Any]]) -> list[str]:
         lines.append(f"| {feed} | " + " | ".join(cells) + f" | {gf.get('best_peer', '-')} | "
                      f"{_f(gf.get('vs_best_peer'), '.3f')} | {_f(gf.get('of_ideal'), '.3f')} | "
                      f"{_f(gf.get('best_peer_of_ideal'), '.3f')} |")
+    lines += ["", "The loop thread's time in `next()` a step, us (median of the rounds):", "",
+              "| feed | " + " | ".join(methods) + " |", "| --- | " + " | ".join("---:" for _ in methods) + " |"]
+    for feed in dict.fromkeys(r["feed"] for r in rows if r["method"] != "ideal"):
+        by = {r["method"]: r for r in rows if r["feed"] == feed}
+        lines.append(f"| {feed} | " + " | ".join(_f(by.get(m, {}).get("next_us"), ".1f") for m in methods)
+                     + " |")
     return [*lines, ""]
 
 
