@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -24,8 +25,9 @@ from gpufeed._tree import flatten
 from gpufeed.host_memory import HostBatch, PinnedUnavailable, warn_pageable
 from gpufeed.stats import PrefetchStats
 
-#: One batch in this many has its copies timed with CUDA events (``PrefetchStats.copy_s``): a timed batch
-#: costs two more events, and a rate needs only a sample.
+#: One batch in this many of those on the copy stream has its copies timed with CUDA events
+#: (``PrefetchStats.copy_s``, a sampled rate) and its calls timed on the loop's clock (``_Costs``): a timed
+#: batch costs two more events.
 TIME_EVERY = 16
 #: Of the batches that go on the loop's stream, one in this many goes on the copy stream instead, to
 #: measure its calls again (they change with the loop's load); it costs the loop about one hand-over more.
@@ -40,7 +42,7 @@ class DeviceBatch(NamedTuple):
     state: Any
     stream: Any  # the stream the batch's device tensors were allocated on (the consumer's then)
     fresh: list[torch.Tensor] | None  # those device tensors (None: every device tensor of ``batch``)
-    timed: bool = False  # its copies were timed (``_Costs``): so is its hand-over's wait
+    timed: bool = False  # its copies and calls were timed: so is its hand-over's wait (``_Costs``)
 
 
 class DeviceStage:
@@ -48,7 +50,8 @@ class DeviceStage:
 
     A batch is copied on the copy stream, overlapping the loop's kernels, unless its copy takes less time
     than the copy stream's own calls cost the loop's thread: then on the loop's own stream, in line with
-    its kernels, as ``.to(non_blocking=True)`` in the loop would (:class:`_Costs` measures both).
+    its kernels, as ``.to(non_blocking=True)`` in the loop would (:class:`_Costs` decides, from the link's
+    latency and rate, :func:`link_cost`, and the calls measured as the loop runs).
 
     Invariants (CUDA):
 
@@ -148,6 +151,8 @@ class DeviceStage:
         jobs = self._staging(leaves, out, pageable)
         fresh = [o for o, t in zip(out, leaves, strict=True) if o is not t and isinstance(o, torch.Tensor)]
         start, end = self._issue(consumer, copies, jobs)
+        if pageable and self.pinning:  # (once its jobs ran through pinned memory: each staged a part)
+            self.stats.staged_bytes += sum([leaves[i].nbytes for i in pageable])
         batch = rebuild(out)
         if self.transform is not None:
             batch, fresh = self._transform(batch, fresh, consumer)
@@ -167,8 +172,6 @@ class DeviceStage:
         staged, jobs = self.stager.prepare(host, self.device)
         for i, t in zip(pageable, staged, strict=True):
             out[i] = t
-        if self.pinning:  # (counted once a batch: each job stages a part of it)
-            self.stats.staged_bytes += sum([t.nbytes for t in host])
         return [functools.partial(self._staged, job) for job in jobs]
 
     def _on_loop_stream(self, hb: HostBatch, leaves: list[Any], rebuild: Any, out: list[Any],
@@ -374,6 +377,7 @@ class _Costs:
 
 
 _LINKS: dict[int, tuple[float, float]] = {}
+_LINKS_LOCK = threading.Lock()  # (the first probes of two threads would share the copy stream)
 
 
 def link_cost(device: torch.device) -> tuple[float, float] | None:
@@ -381,16 +385,24 @@ def link_cost(device: torch.device) -> tuple[float, float] | None:
     once a process on the copy stream: a small and a large copy, each timed three times on the GPU alone
     (queued behind a sleep kernel, so the CPU's calls are not in it), their best times fitted to
     ``latency + bytes / rate``. A copy timed inside a loop would count the loop thread's calls between
-    its events, which the same copy on the loop's stream does not cost the GPU. None where pinned memory
-    cannot be had."""
-    cost = _LINKS.get(device.index)
-    if cost is not None:
+    its events, which the same copy on the loop's stream does not cost the GPU. None where it cannot be
+    measured (no pinned memory, no room for the buffers, a fit without a positive slope): every batch
+    then goes on the copy stream, as before there was a choice; the next stage tries again."""
+    with _LINKS_LOCK:
+        cost = _LINKS.get(device.index)
+        if cost is None:
+            try:
+                cost = _probe_link(device)
+            except (PinnedUnavailable, RuntimeError):  # (an out-of-memory is a RuntimeError too)
+                return None
+            if cost is not None:
+                _LINKS[device.index] = cost
         return cost
-    small, large = 64 << 10, 8 << 20
-    try:
-        host = host_memory.pinned_empty(large)
-    except PinnedUnavailable:
-        return None
+
+
+def _probe_link(device: torch.device) -> tuple[float, float] | None:
+    small, large = 64 << 10, 4 << 20
+    host = host_memory.pinned_empty(large)
     stream = copy_stream(device)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(6)]
     with torch.cuda.stream(stream):  # (the device buffer allocated on the stream that writes it)
@@ -403,9 +415,10 @@ def link_cost(device: torch.device) -> tuple[float, float] | None:
             end.record(stream)
     stream.synchronize()
     best = {n: min(s.elapsed_time(e) / 1e3 for s, e in events[k::2]) for k, n in enumerate((small, large))}
-    rate = (large - small) / max(best[large] - best[small], 1e-9)
-    cost = _LINKS[device.index] = (max(best[small] - small / rate, 0.0), rate)
-    return cost
+    if best[large] <= best[small]:  # (no slope to fit: a timing gone wrong)
+        return None
+    rate = (large - small) / (best[large] - best[small])
+    return max(best[small] - small / rate, 0.0), rate
 
 
 _COPY_STREAMS: dict[int, torch.cuda.Stream] = {}

@@ -4,9 +4,11 @@ A batch's small pageable tensors are packed into one pinned block of torch's cac
 cross the link in one copy, into one device block they are views of; a tensor larger than a chunk is
 pinned and sent chunk by chunk, so chunk ``i + 1`` fills while chunk ``i`` crosses the link.
 
-Staging is two steps, so that the device stage can fence the copies once for the whole batch:
-:meth:`Stager.prepare` allocates the device tensors (on the current stream, the consumer's) and returns
-the jobs that fill pinned memory and issue the copies, which the device stage runs on its copy stream.
+On the copy stream staging is two steps, so that the device stage can fence the copies once for the
+whole batch: :meth:`Stager.prepare` allocates the device tensors (on the current stream, the consumer's)
+and returns the jobs that fill pinned memory and issue the copies, which the device stage runs on its copy
+stream. On the loop's own stream it is one: :meth:`Stager.send` pins and copies at once, in the loop's
+order.
 Pinned blocks are written again only after the copy that read them completed: torch's caching host
 allocator records an event on a block at every ``non_blocking`` copy from it.
 """

@@ -40,7 +40,8 @@ class PrefetchStats:
     waits, not the GPU's). ``fetch_s`` and ``stage_s`` are the time spent pulling from the loader (or
     planning a source's batches) and copying pageable memory into pinned buffers, on whichever thread
     fetched; ``staged_bytes`` is what they moved. ``copy_s`` is the H2D time on the copy stream of the
-    batches timed with CUDA events (one batch in 16), and ``timed_bytes`` what they copied, so
+    batches timed with CUDA events (one in 16 of the copy stream's batches; of small batches copied on
+    the loop's stream, about one in 256), and ``timed_bytes`` what they copied, so
     ``h2d_GBps`` is the rate the link was fed at over that sample (a pageable batch's time spans its
     staging too). ``slot_batches`` counts the batches a DataLoader's workers collated into the
     prefetcher's pinned shared slots (``worker_slots``); ``loop_stream_batches`` the batches copied on the
