@@ -152,3 +152,29 @@ def test_send_delivers_what_prepare_delivers_and_packs_the_same_way(chunk_bytes)
         assert torch.equal(s, t) and torch.equal(p, t), t.shape
         assert s.dtype == t.dtype and s.shape == t.shape and s.is_contiguous()
         assert s.numel() == 0 or s.data_ptr() != t.data_ptr()
+
+
+def test_staging_falls_back_to_pageable_memory_once_pinning_fails_and_says_so_once():
+    """The device stage's one fallback for both streams: a staging run that cannot pin turns pinning off,
+    warns once and runs again from pageable memory; only pinned staging counts as staged bytes."""
+    from gpufeed._device import DeviceStage
+    from gpufeed.host_memory import PinnedUnavailable
+    from gpufeed.stats import PrefetchStats
+
+    stage = DeviceStage(torch.device("cpu"), None, PrefetchStats())
+    stage.pinning = stage.stager.pin = True  # (as on CUDA, where pinning starts on)
+    host = [torch.arange(10), torch.ones(3)]
+    assert stage._staged(lambda: "pinned", host) == "pinned" and stage.stats.staged_bytes == 92
+    calls = []
+
+    def run():
+        calls.append(stage.stager.pin)
+        if stage.stager.pin:
+            raise PinnedUnavailable("pinned allocation failed: test")
+        return "pageable"
+
+    with pytest.warns(RuntimeWarning, match="pinned memory is unavailable") as rec:
+        assert stage._staged(run, host) == "pageable"
+        assert stage._staged(run, host) == "pageable"
+    assert calls == [True, False, False] and len(rec) == 1
+    assert not stage.pinning and stage.stats.staged_bytes == 92

@@ -151,8 +151,6 @@ class DeviceStage:
         jobs = self._staging(leaves, out, pageable)
         fresh = [o for o, t in zip(out, leaves, strict=True) if o is not t and isinstance(o, torch.Tensor)]
         start, end = self._issue(consumer, copies, jobs)
-        if pageable and self.pinning:  # (once its jobs ran through pinned memory: each staged a part)
-            self.stats.staged_bytes += sum([leaves[i].nbytes for i in pageable])
         batch = rebuild(out)
         if self.transform is not None:
             batch, fresh = self._transform(batch, fresh, consumer)
@@ -172,7 +170,7 @@ class DeviceStage:
         staged, jobs = self.stager.prepare(host, self.device)
         for i, t in zip(pageable, staged, strict=True):
             out[i] = t
-        return [functools.partial(self._staged, job) for job in jobs]
+        return [functools.partial(self._staged, functools.partial(_run_all, jobs), host)]
 
     def _on_loop_stream(self, hb: HostBatch, leaves: list[Any], rebuild: Any, out: list[Any],
                         pinned: list[int], pageable: list[int], consumer: Any) -> DeviceBatch:
@@ -183,7 +181,8 @@ class DeviceStage:
             out[i] = leaves[i].to(device, non_blocking=True)
         if pageable:
             host = [leaves[i] for i in pageable]
-            for i, t in zip(pageable, self._send(host), strict=True):
+            sent = self._staged(functools.partial(self.stager.send, host, device), host)
+            for i, t in zip(pageable, sent, strict=True):
                 out[i] = t
         batch = rebuild(out)
         if self.transform is not None:
@@ -228,35 +227,22 @@ class DeviceStage:
             self.costs.side_calls(time.perf_counter() - t2 + t1 - t0)
         return start, end
 
-    def _staged(self, job: Callable[[], None]) -> None:
-        """Run one staging job; where pinned memory cannot be had, copy from pageable memory instead (and
-        say so once)."""
+    def _staged(self, run: Callable[[], Any], host: list[torch.Tensor]) -> Any:
+        """``run()``, which stages the pageable ``host`` tensors through pinned memory (counted in the
+        stats); where pinned memory cannot be had, pinning is turned off (said once) and ``run()`` runs
+        again from pageable memory: correct, synchronous (copies it issued before read memory kept until
+        they complete)."""
         t0 = time.perf_counter()
         if self.pinning:
             try:
-                job()
-                self.stats.stage_s += time.perf_counter() - t0
-                return
+                out = run()
+                self.stats.add(staged_bytes=sum([t.nbytes for t in host]), stage_s=time.perf_counter() - t0)
+                return out
             except PinnedUnavailable:
                 self.pinning = False
                 self.stager.pin = False
                 warn_pageable("pinned allocation failed")
-        job()  # (the stager now stages through pageable clones: correct, synchronous)
-
-    def _send(self, host: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Copy pageable ``host`` tensors through pinned memory on the current stream now (``Stager.send``);
-        where pinned memory cannot be had, from pageable memory instead (and say so once)."""
-        t0 = time.perf_counter()
-        if self.pinning:
-            try:
-                outs = self.stager.send(host, self.device)
-                self.stats.add(staged_bytes=sum([t.nbytes for t in host]), stage_s=time.perf_counter() - t0)
-                return outs
-            except PinnedUnavailable:  # (the copies already issued read memory kept until they complete)
-                self.pinning = False
-                self.stager.pin = False
-                warn_pageable("pinned allocation failed")
-        return self.stager.send(host, self.device)
+        return run()
 
     def _transform(self, batch: Any, fresh: list[torch.Tensor],
                    consumer: Any) -> tuple[Any, list[torch.Tensor]]:
@@ -439,6 +425,11 @@ def _to(obj: Any, device: torch.device) -> Any:
     if device.type == "cuda" and callable(getattr(obj, "pin_memory", None)):
         obj = host_memory.pin(obj)
     return obj.to(device, non_blocking=True)
+
+
+def _run_all(jobs: list[Callable[[], None]]) -> None:
+    for job in jobs:
+        job()
 
 
 def _average(old: float | None, new: float) -> float:

@@ -115,11 +115,12 @@ class Stager:
         """The indices of ``tensors`` in the order they are sent: a tensor alone (larger than
         ``PACK_LEAF_BYTES``, or empty), or small ones packed together, up to ``PACK_BYTES`` a pack."""
         limit = min(self.chunk_bytes, PACK_BYTES)  # a packed block's size at most
+        alone = min(PACK_LEAF_BYTES, limit)  # a tensor larger than this is sent by itself
         groups: list[list[int]] = []
         pack: list[int] = []  # the tensors of the next packed block
         size = 0  # their bytes, each rounded up to ALIGN
         for i, t in enumerate(tensors):
-            if t.nbytes > min(PACK_LEAF_BYTES, limit) or t.numel() == 0:
+            if t.nbytes > alone or t.numel() == 0:
                 groups.append([i])
                 continue
             if pack and size + aligned(t.nbytes) > limit:

@@ -313,19 +313,14 @@ class _Epoch:
         if not self._stage.cuda:
             self._kept.append(batch)
         pf._state = item.state
-        stats = self._stats  # (the wait accounted here, not in a call of _account: one call less a batch)
-        self._last_t = stats.served(mark, self._last_t, not self._stage.cuda)
-        if pf._trace is not None:
-            pf._trace.add("wait", int(mark[0] * 1e9), int(self._last_t * 1e9), "consumer",
-                          batch=stats.batches)
-        stats.batches += 1
+        self._account(mark, handed=True)
+        self._stats.batches += 1
         return batch
 
-    def _account(self, mark: tuple[float, float, float]) -> None:
-        """The loop's wait since ``mark`` in a call that handed nothing over (``PrefetchStats.served``; no
-        step follows it, so the verdict does not judge it on the CPU); :meth:`_hand_over` accounts its
-        own."""
-        self._last_t = self._stats.served(mark, self._last_t, False)
+    def _account(self, mark: tuple[float, float, float], handed: bool = False) -> None:
+        """The loop's wait since ``mark`` (``PrefetchStats.served``); on the CPU the verdict judges the calls
+        that handed a batch over (not the one that finds the end: no step follows it)."""
+        self._last_t = self._stats.served(mark, self._last_t, handed and not self._stage.cuda)
         if self._pf._trace is not None:
             self._pf._trace.add("wait", int(mark[0] * 1e9), int(self._last_t * 1e9), "consumer",
                                 batch=self._stats.batches)

@@ -185,11 +185,9 @@ class PrefetchStats:
                 self.waited(now - t0, fetch=self.fetch_s - mark[1], stage=self.stage_s - mark[2])
         return now
 
-    def waited(self, seconds: float, *, fetch: float = 0.0, stage: float = 0.0, copy: float = 0.0,
-               batches: int = 1) -> None:
-        """Count ``batches`` batches' wait for data (``fetch + stage + copy <= seconds``; the rest is
-        gpufeed's)."""
-        self.waited_batches += batches
+    def waited(self, seconds: float, *, fetch: float = 0.0, stage: float = 0.0, copy: float = 0.0) -> None:
+        """Count one batch's wait for data (``fetch + stage + copy <= seconds``; the rest is gpufeed's)."""
+        self.waited_batches += 1
         self.waited_s += seconds
         self.waited_fetch_s += fetch
         self.waited_stage_s += stage
