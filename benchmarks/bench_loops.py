@@ -28,11 +28,12 @@ What it measures: training steps per second (forward, loss, backward, Adam) afte
   side stream, ``record_stream``), ``spdl`` (SPDL's transfer thread: pins and copies on its own stream,
   2 batches queued), ``gpufeed`` (``for b in CudaPrefetcher(loader)``, one prefetcher per (step, feed),
   iterated again every round as across epochs) and ``ideal`` (feed ``resident``: one batch already in
-  VRAM, reused; always measured: first in each step, then a window in every round of every feed). The ``nodes`` feeds run their own methods, each
-  ending the pipeline as torchdata's docs do: ``nodes_pin_nb`` (``PinMemory`` -> ``Prefetcher``, then
-  ``.to(non_blocking=True)`` after the ``Loader``), ``nodes_to`` (``Prefetcher``, then ``.to()``) and
-  ``todevice`` (``Prefetcher`` -> gpufeed's ``ToDevice``: collation stays off the loop's thread, as
-  in the other two), one ``Loader`` per (step, feed) iterated again every round.
+  VRAM, reused; always measured: first in each step, then a window in every round of every feed). The
+  ``nodes`` feeds run their own methods, each ending the pipeline as torchdata's docs do: ``nodes_pin_nb``
+  (``PinMemory`` -> ``Prefetcher``, then ``.to(non_blocking=True)`` after the ``Loader``), ``nodes_to``
+  (``Prefetcher``, then ``.to()``) and ``todevice`` (``Prefetcher`` -> gpufeed's ``ToDevice``: collation
+  stays off the loop's thread, as in the other two), one ``Loader`` per (step, feed) iterated again every
+  round.
 
 Timing: the ideal's windows last ``--seconds`` (at least the step's minimum of steps, 20; ResNet's 6); its
 median rate sizes every other window: an epoch of ``warm-up + N`` batches, ``N = --seconds x ideal rate``
@@ -43,8 +44,8 @@ window. ``--rounds`` rounds (3) run round-robin over the methods inside each (st
 starting with the next method, so machine drift hits every method alike; each row records the median
 steps/s, and min and max. Each round starts with a window of the ideal, so the ideal row (the median of
 all its windows) spans the same minutes as the rows it is compared with (on a drifting machine the
-token step's list feeds once read 1.3x an ideal measured only at the start). Without CUDA (``--smoke``) gpufeed runs its CPU path and the peers' streams
-degrade to plain loops.
+token step's list feeds once read 1.3x an ideal measured only at the start). Without CUDA (``--smoke``)
+gpufeed runs its CPU path and the peers' streams degrade to plain loops.
 
 Results: ``loops-<card>.json`` (``rows``: step, feed, method, steps_per_s, min, max, ...), ``.md`` (a table
 per step, then the targets: gpufeed (``todevice`` in the nodes feeds) >= 0.98x the best peer in every
@@ -774,7 +775,8 @@ def _step_table(step: str, what: str, rows: list[dict[str, Any]]) -> list[str]:
                      f"{_f(gf.get('vs_best_peer'), '.3f')} | {_f(gf.get('of_ideal'), '.3f')} | "
                      f"{_f(gf.get('best_peer_of_ideal'), '.3f')} |")
     lines += ["", "The loop thread's time in `next()` a step, us (median of the rounds):", "",
-              "| feed | " + " | ".join(methods) + " |", "| --- | " + " | ".join("---:" for _ in methods) + " |"]
+              "| feed | " + " | ".join(methods) + " |",
+              "| --- | " + " | ".join("---:" for _ in methods) + " |"]
     for feed in dict.fromkeys(r["feed"] for r in rows if r["method"] != "ideal"):
         by = {r["method"]: r for r in rows if r["feed"] == feed}
         lines.append(f"| {feed} | " + " | ".join(_f(by.get(m, {}).get("next_us"), ".1f") for m in methods)

@@ -118,6 +118,7 @@ def test_small_batches_go_on_the_loop_s_stream_once_their_copy_costs_less_than_t
             got = [b for b in pf]
             assert [float(t[0]) for t in got] == [float(i) for i in range(64)]
     assert 120 <= pf.stats.loop_stream_batches < 128  # the first ones measure the copy stream, on it
+    assert pf.stats.staged_bytes == 0  # (pinned: copied as they are, never pinned again)
     big = [torch.full((16 << 20,), float(i)).pin_memory() for i in range(8)]  # 64 MiB: a millisecond a copy
     with CudaPrefetcher(big) as pf:
         assert [float(b[-1]) for b in pf] == [float(i) for i in range(8)]

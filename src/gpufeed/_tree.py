@@ -34,7 +34,7 @@ def flatten(batch: Any, leaf: type | tuple[type, ...] = torch.Tensor) -> tuple[l
     kind = type(batch)
     if kind is dict or kind is list or kind is tuple:  # the common batch, flat: built without a tree
         values = list(batch.values()) if kind is dict else list(batch)
-        if all(isinstance(v, leaf) for v in values):
+        if all([isinstance(v, leaf) for v in values]):  # (a list: no generator frame a leaf)
             if kind is dict:
                 keys = list(batch)
                 return values, lambda new: dict(zip(keys, new, strict=True))
