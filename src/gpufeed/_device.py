@@ -126,29 +126,25 @@ class DeviceStage:
         leaves, rebuild = flatten(hb.batch)
         device = self.device
         out: list[Any] = list(leaves)
-        host: list[int] = []  # the host tensors
-        peer: list[int] = []  # tensors on another GPU (a tensor already on the device, read there, stays)
+        pinned: list[int] = []
+        pageable: list[int] = []
         nbytes = 0
         for i, t in enumerate(leaves):
             if not isinstance(t, torch.Tensor):  # a batch type that moves itself: on the loop's stream, in
                 out[i] = _to(t, device)  # its order, as torch's pin-memory loop and `.to()` would
             elif not t.is_cuda:  # (is_cuda first: a tensor's .device makes a new object at every call)
                 nbytes += t.nbytes
-                host.append(i)
-            elif t.device != device:
+                (pinned if t.is_pinned() else pageable).append(i)
+            elif t.device != device:  # (a tensor already there, read by a source to the device, stays)
                 nbytes += t.nbytes
-                peer.append(i)
+                pinned.append(i)
         self.stats.bytes += nbytes
         self._count += 1
         consumer = self.streams.current()
         if self.costs.on_loop_stream(nbytes, self._count):
-            return self._on_loop_stream(hb, leaves, rebuild, out, host, peer, consumer)
-        direct = list(peer)  # copied as they are: pinned host tensors, and another GPU's
-        pageable: list[int] = []  # staged through pinned memory
-        for i in host:
-            (direct if leaves[i].is_pinned() else pageable).append(i)
+            return self._on_loop_stream(hb, leaves, rebuild, out, pinned, pageable, consumer)
         copies = []
-        for i in direct:
+        for i in pinned:
             t = leaves[i]
             out[i] = torch.empty(t.shape, dtype=t.dtype, device=device)
             copies.append((out[i], t))
@@ -171,28 +167,28 @@ class DeviceStage:
         if not pageable:
             return []
         host = [leaves[i] for i in pageable]
-        made, jobs = self.stager.prepare(host, self.device)
-        for i, t in zip(pageable, made, strict=True):
+        staged, jobs = self.stager.prepare(host, self.device)
+        for i, t in zip(pageable, staged, strict=True):
             out[i] = t
-        staged = sum([t.nbytes for t in host])
-        return [functools.partial(self._staged, functools.partial(_run_all, jobs, staged))]
+        return [functools.partial(self._staged, functools.partial(_run_all, jobs), host)]
 
     def _on_loop_stream(self, hb: HostBatch, leaves: list[Any], rebuild: Any, out: list[Any],
-                        host: list[int], peer: list[int], consumer: Any) -> DeviceBatch:
-        """Copy on the loop's own stream, in its order, as torch's ``pin_memory`` + ``.to(non_blocking=True)``
-        in the loop would (the stager's ``send``; no ``is_pinned()`` first: one GIL release less a leaf, which
-        counts where other threads wait for the GIL): nothing to fence, nothing to wait for at the
-        hand-over."""
-        for i in peer:
-            out[i] = leaves[i].to(self.device, non_blocking=True)
-        if host:
-            sent = self._staged(functools.partial(self.stager.send, [leaves[i] for i in host], self.device))
-            for i, t in zip(host, sent, strict=True):
+                        pinned: list[int], pageable: list[int], consumer: Any) -> DeviceBatch:
+        """Copy on the loop's own stream, in its order, as ``.to(non_blocking=True)`` in the loop: nothing to
+        fence, nothing to wait for at the hand-over."""
+        device = self.device
+        for i in pinned:
+            out[i] = leaves[i].to(device, non_blocking=True)
+        if pageable:
+            host = [leaves[i] for i in pageable]
+            sent = self._staged(functools.partial(self.stager.send, host, device), host)
+            for i, t in zip(pageable, sent, strict=True):
                 out[i] = t
         batch = rebuild(out)
         if self.transform is not None:
             with _nvtx.range("gpufeed.transform"):
                 batch = self.transform(batch)
+            out = flatten(batch)[0]
         if hb.lease is not None:  # the host memory goes back once the loop's stream has read it
             end = torch.cuda.Event()
             end.record(consumer)
@@ -231,22 +227,22 @@ class DeviceStage:
             self.costs.side_calls(time.perf_counter() - t2 + t1 - t0)
         return start, end
 
-    def _staged(self, run: Callable[[], tuple[Any, int]]) -> Any:
-        """What ``run()`` returns first: ``run`` stages host tensors through pinned memory and returns what
-        it made and the bytes it staged (counted in the stats). Where pinned memory cannot be had, pinning
-        is turned off (said once) and ``run()`` runs again from pageable memory: correct, synchronous
-        (copies it issued before read memory kept until they complete)."""
+    def _staged(self, run: Callable[[], Any], host: list[torch.Tensor]) -> Any:
+        """``run()``, which stages the pageable ``host`` tensors through pinned memory (counted in the
+        stats); where pinned memory cannot be had, pinning is turned off (said once) and ``run()`` runs
+        again from pageable memory: correct, synchronous (copies it issued before read memory kept until
+        they complete)."""
         t0 = time.perf_counter()
         if self.pinning:
             try:
-                out, staged = run()
-                self.stats.add(staged_bytes=staged, stage_s=time.perf_counter() - t0)
+                out = run()
+                self.stats.add(staged_bytes=sum([t.nbytes for t in host]), stage_s=time.perf_counter() - t0)
                 return out
             except PinnedUnavailable:
                 self.pinning = False
                 self.stager.pin = False
                 warn_pageable("pinned allocation failed")
-        return run()[0]
+        return run()
 
     def _transform(self, batch: Any, fresh: list[torch.Tensor],
                    consumer: Any) -> tuple[Any, list[torch.Tensor]]:
@@ -431,10 +427,9 @@ def _to(obj: Any, device: torch.device) -> Any:
     return obj.to(device, non_blocking=True)
 
 
-def _run_all(jobs: list[Callable[[], None]], nbytes: int) -> tuple[None, int]:
+def _run_all(jobs: list[Callable[[], None]]) -> None:
     for job in jobs:
         job()
-    return None, nbytes
 
 
 def _average(old: float | None, new: float) -> float:

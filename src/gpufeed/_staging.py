@@ -90,34 +90,26 @@ class Stager:
                 jobs.append(functools.partial(self._send, t, outs[group[0]]))
         return outs, jobs
 
-    def send(self, tensors: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor], int]:
-        """The device copies of ``tensors``, issued now on the current stream, and the bytes staged through
-        pinned memory on the way. A tensor of its own is pinned where it is not (``host_memory.pin`` returns a
-        pinned tensor itself), then copied with ``.to(device, non_blocking=True)``: the two calls a loop
-        without gpufeed makes, and one GIL release each. Small ones are packed as :meth:`prepare` packs
-        them, pinned or not.
+    def send(self, tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """The device copies of ``tensors``, issued now on the current stream: a tensor of its own as
+        pinned, then ``.to(device, non_blocking=True)`` (one call that allocates and copies, as a loop
+        without gpufeed does), small ones packed as :meth:`prepare` packs them.
 
         Raises :class:`~gpufeed.host_memory.PinnedUnavailable` where pinned memory cannot be had.
         """
         outs: list[Any] = [None] * len(tensors)
-        staged = 0
         for group in self._groups(tensors):
             t = tensors[group[0]]
             if len(group) > 1:
                 self._pack([tensors[j] for j in group], group, outs, device)()
-                staged += sum([tensors[j].nbytes for j in group])
             elif 0 < t.nbytes <= self.chunk_bytes:
                 t = t.contiguous()
-                pinned = self._pinned(t)
-                outs[group[0]] = pinned.to(device, non_blocking=True)
-                if pinned is not t:
-                    staged += t.nbytes
+                outs[group[0]] = (host_memory.pin(t) if self.pin else t.clone()).to(device, non_blocking=True)
             else:  # (empty, or pinned and sent chunk by chunk)
                 outs[group[0]] = torch.empty(t.shape, dtype=t.dtype, device=device)
                 if t.numel():
                     self._send(t, outs[group[0]])
-                    staged += 0 if t.is_pinned() else t.nbytes
-        return outs, staged
+        return outs
 
     def _groups(self, tensors: list[torch.Tensor]) -> list[list[int]]:
         """The indices of ``tensors`` in the order they are sent: a tensor alone (larger than
@@ -190,7 +182,6 @@ class Stager:
             dst[a : a + piece.numel()].copy_(self._pinned(piece), non_blocking=True)
 
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` in pinned memory (``t`` itself where it is pinned), or a copy of it where pinning is off."""
         return host_memory.pin(t) if self.pin else t.clone()
 
     def _empty(self, nbytes: int) -> torch.Tensor:

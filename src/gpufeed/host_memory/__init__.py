@@ -40,8 +40,8 @@ class PinnedUnavailable(RuntimeError):
 
 
 def pin(t: Any) -> Any:
-    """``t`` copied into a pinned block of torch's caching host allocator, ``t`` itself where it is pinned
-    (or a batch type of its own that pins itself, by its ``pin_memory()``)."""
+    """``t`` copied into a pinned block of torch's caching host allocator (or a batch type of its own that
+    pins itself, by its ``pin_memory()``)."""
     try:
         return t.pin_memory()
     except RuntimeError as exc:  # cudaHostAlloc refused (locked-memory limit)
