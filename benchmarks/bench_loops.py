@@ -50,7 +50,10 @@ gpufeed runs its CPU path and the peers' streams degrade to plain loops.
 Results: ``loops-<card>.json`` (``rows``: step, feed, method, steps_per_s, min, max, ...), ``.md`` (a table
 per step, then the targets: gpufeed (``todevice`` in the nodes feeds) >= 0.98x the best peer in every
 feed; >= 0.95x the ideal wherever a peer reaches 0.9x of it; ResNet >= 0.97x the ideal with 8 workers)
-and ``.png`` (each row's steps/s over the ideal's).
+and ``.png`` (each row's steps/s over the ideal's). On CUDA the ideal's row also has ``gpu_us``, the
+step's time on the GPU alone (steps queued behind a sleep kernel): set against the ideal's period, it says
+whether the step is bound by the GPU or by the thread that launches it, where the copy's time on the GPU
+is free and what a method costs that thread decides.
 """
 
 from __future__ import annotations
@@ -540,11 +543,34 @@ def measure_ideal(trainer: Trainer, data: StepData, cfg: Config) -> dict[str, An
     rates = [time_window(trainer, itertools.repeat(data.resident), cfg.warmup, spec.min_steps, cfg.seconds,
                          cfg.device)[0] for _ in range(cfg.rounds)]
     row = {"step": spec.name, "feed": "resident", "method": "ideal", **summarize(rates), "rounds": rates}
+    if cfg.device.type == "cuda":
+        row["gpu_us"] = gpu_step_us(trainer, data.resident, max(10, spec.min_steps), 1 / row["steps_per_s"])
     timed = min(MAX_STEPS, max(spec.min_steps, round(cfg.seconds * row["steps_per_s"])))
     data.warm = max(cfg.warmup, timed // 10)
     data.epoch = data.warm + timed
     row["epoch_batches"] = data.epoch
     return row
+
+
+def gpu_step_us(trainer: Trainer, batch: Any, steps: int, period_s: float) -> float | None:
+    """The step's time on the GPU alone, in microseconds: ``steps`` steps queued behind a sleep kernel that
+    outlasts their launching, timed with events. Against the ideal's period it says whether the step is
+    bound by the thread that launches it (the GPU idles part of each step) or by the GPU. None where the
+    sleep ran out before the steps were queued (the GPU may have waited for them)."""
+    probe = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    probe[0].record()
+    torch.cuda._sleep(1 << 20)
+    probe[1].record()
+    torch.cuda.synchronize()
+    cycles_a_s = (1 << 20) / (probe[0].elapsed_time(probe[1]) / 1e3)
+    torch.cuda._sleep(int(cycles_a_s * (2 * steps * period_s + 0.01)))
+    probe[2].record()
+    for _ in range(steps):
+        trainer(batch)
+    probe[3].record()
+    caught_up = probe[2].query()
+    torch.cuda.synchronize()
+    return None if caught_up else probe[2].elapsed_time(probe[3]) / steps * 1e3
 
 
 def run_feed(name: str, feed: Feed, trainer: Trainer, data: StepData, cfg: Config,
@@ -756,13 +782,23 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _busy(ideal: dict[str, Any]) -> str:
+    gpu_us = ideal.get("gpu_us")
+    if gpu_us is None:
+        return ""
+    period_us = 1e6 / ideal["steps_per_s"]
+    bound = "the GPU" if gpu_us >= 0.9 * period_us else "the thread that launches it"
+    return (f" The step keeps the GPU busy {gpu_us:.0f} us of the {period_us:.0f} us it takes with the batch "
+            f"resident ({gpu_us / period_us:.0%}): it is bound by {bound}.")
+
+
 def _step_table(step: str, what: str, rows: list[dict[str, Any]]) -> list[str]:
     ideal = next(r for r in rows if r["method"] == "ideal")
     methods = [m for m in METHODS if m != "ideal" and any(r["method"] == m for r in rows)]
     lines = [f"## {step}: {what}", "",
              f"ideal (one batch resident in VRAM): {ideal['steps_per_s']:.1f} steps/s "
              f"(min {ideal['min']:.1f}, max {ideal['max']:.1f}); epochs of {ideal['epoch_batches']} "
-             "batches.", "",
+             f"batches.{_busy(ideal)}", "",
              "| feed | " + " | ".join(methods)
              + " | best peer | gpufeed/best peer | gpufeed/ideal | best peer/ideal |",
              "| --- | " + " | ".join("---:" for _ in methods) + " | --- | ---: | ---: | ---: |"]
