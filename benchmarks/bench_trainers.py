@@ -23,6 +23,8 @@ Rows (trainer / method):
   ``CudaPrefetcher`` over the prepared loader.
 * lightning / ``own``: ``train_dataloader`` returns the DataLoader (``pin_memory=True``; Lightning's
   ``transfer_batch_to_device``); ``gpufeed``: it returns a ``CudaPrefetcher``.
+* lightning_dm: the same, through a ``LightningDataModule``: ``own`` returns the DataLoader
+  (``pin_memory=True``), ``gpufeed`` is the recipe's ``GpufeedData`` (its prefetcher closed at teardown).
 * hf_trainer / ``own``: ``Trainer`` (``dataloader_pin_memory=True``, its ``_prepare_inputs``);
   ``gpufeed``: the ``GpufeedTrainer`` subclass. Dict batches ``{"x", "labels"}``.
 * timm / ``own``: ``create_loader(..., use_prefetcher=True)`` (uint8 images, timm's ``PrefetchLoader``
@@ -30,6 +32,10 @@ Rows (trainer / method):
   normalized on the CPU); ``gpufeed_uint8``: the DataLoader inside timm's ``PrefetchLoader`` (uint8)
   wrapped, normalized by ``CudaPrefetcher(transform=...)`` on the GPU. Images: ``--image`` px PIL images
   made from random bytes, evaluation transforms; the MLP reads the flattened image.
+
+* torchtitan (a torchtitan-style loop): an ``IterableDataset`` yields whole batches (``batch_size=None``,
+  each worker its share, as the ``tokens`` recipe); ``own``: the DataLoader's ``pin_memory=True`` and
+  ``.to(device, non_blocking=True)`` in the loop; ``gpufeed``: ``CudaPrefetcher`` over the DataLoader.
 
 A trainer that is not installed gets rows with an ``error``.
 """
@@ -58,11 +64,12 @@ from bench_loops import classify
 
 from gpufeed import CudaPrefetcher
 
-TRAINERS = ("accelerate", "lightning", "hf_trainer", "timm")
+TRAINERS = ("accelerate", "lightning", "lightning_dm", "hf_trainer", "timm", "torchtitan")
 #: Processes of an ``accelerate launch`` (1 when run plainly): each times its own shard.
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 METHODS = {"accelerate": ("own", "gpufeed"), "lightning": ("own", "gpufeed"),
-           "hf_trainer": ("own", "gpufeed"), "timm": ("own", "gpufeed", "gpufeed_uint8")}
+           "lightning_dm": ("own", "gpufeed"), "hf_trainer": ("own", "gpufeed"),
+           "timm": ("own", "gpufeed", "gpufeed_uint8"), "torchtitan": ("own", "gpufeed")}
 
 
 @dataclass
@@ -101,7 +108,7 @@ def parse_args(argv: list[str] | None) -> Config:
     p.add_argument("--loops", default="",
                    help="train the loops benchmark's steps instead of the MLP over rows: a comma-separated "
                         "subset of mlp,token,cnn,resnet (bench_loops.py: their models, batches and losses), "
-                        "in accelerate, Lightning and HF Trainer")
+                        "in every trainer but timm")
     a = p.parse_args(argv)
     trainers = tuple(t for t in a.trainers.split(",") if t)
     unknown = set(trainers) - set(TRAINERS)
@@ -309,6 +316,83 @@ def run_lightning(method: str, cfg: Config, work: Work) -> float:
     return clock.steps_per_s()
 
 
+def run_lightning_dm(method: str, cfg: Config, work: Work) -> float:
+    import lightning as L
+
+    clock = Clock(cfg)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = work.build()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return work.loss(self.model, batch)
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            clock.step()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class Data(L.LightningDataModule):  # docs/integrations.md's recipe (lightning-datamodule) for gpufeed
+        def __init__(self) -> None:
+            super().__init__()
+            self.prefetcher: CudaPrefetcher | None = None
+
+        def train_dataloader(self) -> Any:
+            loader = DataLoader(work.dataset(_n(cfg, work.batch)), batch_size=work.batch, shuffle=True,
+                                num_workers=cfg.workers, pin_memory=cfg.cuda and method == "own")
+            if method == "own":
+                return loader
+            self.prefetcher = CudaPrefetcher(loader, device=self.trainer.strategy.root_device)
+            return self.prefetcher
+
+        def teardown(self, stage: str) -> None:
+            if self.prefetcher is not None:
+                self.prefetcher.close()
+
+    trainer = L.Trainer(accelerator="gpu" if cfg.cuda else "cpu", devices=1,
+                        max_steps=cfg.warmup + cfg.steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Module(), datamodule=Data())
+    return clock.steps_per_s()
+
+
+class WholeBatches(torch.utils.data.IterableDataset):
+    """A map-style data set read as a stream of whole batches, each worker its share (the ``tokens``
+    recipe's shape: a DataLoader with ``batch_size=None`` hands them on as they are)."""
+
+    def __init__(self, dataset: Dataset, batch: int) -> None:
+        self.dataset, self.batch = dataset, batch
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        starts = range(0, len(self.dataset) - self.batch + 1, self.batch)  # type: ignore[arg-type]
+        for i, start in enumerate(starts):
+            if i % workers == worker:
+                samples = [self.dataset[j] for j in range(start, start + self.batch)]
+                yield torch.utils.data.default_collate(samples)
+
+
+def run_torchtitan(method: str, cfg: Config, work: Work) -> float:
+    from bench_loops import to_device
+
+    model = work.build().to(cfg.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    clock = Clock(cfg)
+    loader = DataLoader(WholeBatches(work.dataset(_n(cfg, work.batch)), work.batch), batch_size=None,
+                        num_workers=cfg.workers, pin_memory=cfg.cuda and method == "own")
+    if method == "own":
+        moved = (to_device(b, cfg.device, non_blocking=True) for b in loader)
+        _loop(moved, model, opt, clock, loss_of=work.loss)
+    else:
+        with CudaPrefetcher(loader, device=cfg.device) as batches:
+            _loop(batches, model, opt, clock, loss_of=work.loss)
+    return clock.steps_per_s()
+
+
 def run_hf_trainer(method: str, cfg: Config, work: Work) -> float:
     import tempfile
 
@@ -392,7 +476,8 @@ def run_timm(method: str, cfg: Config, work: Work) -> float:
 
 
 RUNNERS: dict[str, Callable[[str, Config, Work], float]] = {
-    "accelerate": run_accelerate, "lightning": run_lightning, "hf_trainer": run_hf_trainer, "timm": run_timm}
+    "accelerate": run_accelerate, "lightning": run_lightning, "lightning_dm": run_lightning_dm,
+    "hf_trainer": run_hf_trainer, "timm": run_timm, "torchtitan": run_torchtitan}
 
 
 def run_trainer(trainer: str, cfg: Config, work: Work) -> list[dict[str, Any]]:

@@ -64,13 +64,14 @@ def test_bench_trainers_under_two_launched_processes(tmp_path):
 
 
 def test_bench_trainers_smoke_trains_the_loops_steps(tmp_path):
-    """``--loops``: the loops benchmark's steps (models, batches, losses) in accelerate, Lightning and HF
-    Trainer, a row a (step, trainer, method); timm, which trains its own image loop, is left out."""
+    """``--loops``: the loops benchmark's steps (models, batches, losses) in accelerate, Lightning (its
+    ``train_dataloader`` and a ``LightningDataModule``), HF Trainer and a torchtitan-style loop, a row a
+    (step, trainer, method); timm, which trains its own image loop, is left out."""
     for name in ("accelerate", "lightning", "transformers"):
         pytest.importorskip(name)
     bench = _load()
     assert bench.main(["--smoke", "--loops", "mlp,token", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "trainers-loops-cpu.json").read_text())
     rows = {(r["loop"], r["trainer"], r["method"]) for r in doc["rows"] if "error" not in r}
-    trainers = ("accelerate", "lightning", "hf_trainer")
+    trainers = ("accelerate", "lightning", "lightning_dm", "hf_trainer", "torchtitan")
     assert rows == {(step, t, m) for step in ("mlp", "token") for t in trainers for m in ("own", "gpufeed")}
