@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -22,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from conftest import launched
 from gpufeed import CudaPrefetcher, SourceLoader
 from gpufeed.sources import RawSource, plan_batches
 
@@ -261,17 +259,10 @@ def test_distributed_sampler_loader_works_unchanged(ranks, case):
 
 # -- examples/ddp.py under torchrun ----------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ddp_example_under_torchrun():
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}",
-           f"--master_port={_free_port()}", str(ROOT / "examples" / "ddp.py"), "--smoke", "--cpu"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=env, cwd=ROOT)
+    proc = launched([str(ROOT / "examples" / "ddp.py"), "--smoke", "--cpu"], nproc=WORLD, timeout=90, env=env,
+                    cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for rank in range(WORLD):
         for epoch in range(2):
@@ -279,3 +270,21 @@ def test_ddp_example_under_torchrun():
     passed = [line for line in proc.stdout.splitlines() if line.startswith("PASS: ")]
     assert len(passed) == 1 and passed[0].startswith("PASS: 2 rank(s) x 2 epochs on cpu (gloo): every epoch")
     assert "FAIL" not in proc.stdout
+
+
+def test_a_launch_runs_again_only_after_torch_s_gloo_teardown_abort(monkeypatch):
+    import subprocess
+
+    import conftest
+
+    results = []
+
+    def run(cmd, **kwargs):
+        code, text = results.pop(0)
+        return subprocess.CompletedProcess(cmd, code, text, "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    results[:] = [(1, "PASS\nterminate called without an active exception"), (0, "PASS")]
+    assert conftest.launched(["x.py"]).returncode == 0 and not results
+    results[:] = [(1, "FAIL: rank 1 saw a batch twice"), (0, "PASS")]
+    assert conftest.launched(["x.py"]).returncode == 1 and len(results) == 1

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import launched
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "accelerate_launch.py"
@@ -19,12 +20,6 @@ pytest.importorskip("accelerate")
 def _env(**extra: str) -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_accelerate_launch_example_one_process():
@@ -39,10 +34,8 @@ def test_accelerate_launch_example_one_process():
 def test_accelerate_launch_example_two_cpu_processes():
     # What `accelerate launch --num_processes 2` starts (torchrun's environment); on the CPU, accelerate
     # needs ACCELERATE_USE_CPU to join them with gloo.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={_free_port()}", str(EXAMPLE), "--check", "--samples", "250"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                          env=_env(ACCELERATE_USE_CPU="true"), cwd=ROOT)
+    proc = launched([str(EXAMPLE), "--check", "--samples", "250"], timeout=120,
+                    env=_env(ACCELERATE_USE_CPU="true"), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for rank in range(2):
         # 16 batches of 16 (the last padded by accelerate's even_batches), half each, exact

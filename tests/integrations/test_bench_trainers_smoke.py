@@ -42,19 +42,14 @@ def test_bench_trainers_under_two_launched_processes(tmp_path):
     """Under ``accelerate launch`` (torchrun's environment; gloo on the CPU) each process times its own
     shard, and rank 0 writes every process's rows."""
     import os
-    import socket
-    import subprocess
+
+    from conftest import launched
 
     pytest.importorskip("accelerate")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-           str(ROOT / "benchmarks" / "bench_trainers.py"), "--smoke", "--trainers", "accelerate",
-           "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    proc = launched([str(ROOT / "benchmarks" / "bench_trainers.py"), "--smoke", "--trainers", "accelerate",
+                     "--out", str(tmp_path)], timeout=180, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "trainers-launch-2x-cpu.json").read_text())
     assert doc["processes"] == 2
