@@ -267,8 +267,7 @@ def run_accelerate(method: str, cfg: Config, work: Work) -> float:
     acc = Accelerator(cpu=not cfg.cuda, dataloader_config=DataLoaderConfiguration(non_blocking=cfg.cuda))
     model = work.build()
     model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
-    loader = DataLoader(work.dataset(_n(cfg, work.batch)), batch_size=work.batch, num_workers=cfg.workers,
-                        pin_memory=cfg.cuda and method == "own")
+    loader = _loader(cfg, work, method)
     clock = Clock(cfg)
     if method == "own":
         _loop(acc.prepare_data_loader(loader), model, opt, clock, acc.backward, work.loss)
@@ -279,22 +278,15 @@ def run_accelerate(method: str, cfg: Config, work: Work) -> float:
     return clock.steps_per_s()
 
 
-def run_lightning(method: str, cfg: Config, work: Work) -> float:
+def _lightning(cfg: Config, work: Work, clock: Clock, loader: Callable[[Any], Any] | None) -> tuple[Any, Any]:
+    """A Lightning Trainer for ``cfg``, and a module training ``work`` that counts its steps on ``clock``;
+    with ``loader``, the module's ``train_dataloader`` is ``loader(module)``."""
     import lightning as L
-
-    clock = Clock(cfg)
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.model = work.build()
-
-        def train_dataloader(self) -> Any:
-            loader = DataLoader(work.dataset(_n(cfg, work.batch)), batch_size=work.batch,
-                                num_workers=cfg.workers, pin_memory=cfg.cuda and method == "own")
-            if method == "own":
-                return loader
-            return CudaPrefetcher(loader, device=self.trainer.strategy.root_device)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             return work.loss(self.model, batch)
@@ -305,10 +297,29 @@ def run_lightning(method: str, cfg: Config, work: Work) -> float:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
+    if loader is not None:
+        Module.train_dataloader = loader  # type: ignore[method-assign]
     trainer = L.Trainer(accelerator="gpu" if cfg.cuda else "cpu", devices=1,
                         max_steps=cfg.warmup + cfg.steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    module = Module()
+    return trainer, Module()
+
+
+def _loader(cfg: Config, work: Work, method: str, shuffle: bool = False) -> DataLoader:
+    return DataLoader(work.dataset(_n(cfg, work.batch)), batch_size=work.batch, shuffle=shuffle,
+                      num_workers=cfg.workers, pin_memory=cfg.cuda and method == "own")
+
+
+def run_lightning(method: str, cfg: Config, work: Work) -> float:
+    clock = Clock(cfg)
+
+    def train_dataloader(module: Any) -> Any:
+        loader = _loader(cfg, work, method)
+        if method == "own":
+            return loader
+        return CudaPrefetcher(loader, device=module.trainer.strategy.root_device)
+
+    trainer, module = _lightning(cfg, work, clock, train_dataloader)
     trainer.fit(module)
     loader = trainer.train_dataloader
     if isinstance(loader, CudaPrefetcher):
@@ -321,28 +332,13 @@ def run_lightning_dm(method: str, cfg: Config, work: Work) -> float:
 
     clock = Clock(cfg)
 
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = work.build()
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            return work.loss(self.model, batch)
-
-        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-            clock.step()
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
     class Data(L.LightningDataModule):  # docs/integrations.md's recipe (lightning-datamodule) for gpufeed
         def __init__(self) -> None:
             super().__init__()
             self.prefetcher: CudaPrefetcher | None = None
 
         def train_dataloader(self) -> Any:
-            loader = DataLoader(work.dataset(_n(cfg, work.batch)), batch_size=work.batch, shuffle=True,
-                                num_workers=cfg.workers, pin_memory=cfg.cuda and method == "own")
+            loader = _loader(cfg, work, method, shuffle=True)
             if method == "own":
                 return loader
             self.prefetcher = CudaPrefetcher(loader, device=self.trainer.strategy.root_device)
@@ -352,10 +348,8 @@ def run_lightning_dm(method: str, cfg: Config, work: Work) -> float:
             if self.prefetcher is not None:
                 self.prefetcher.close()
 
-    trainer = L.Trainer(accelerator="gpu" if cfg.cuda else "cpu", devices=1,
-                        max_steps=cfg.warmup + cfg.steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(Module(), datamodule=Data())
+    trainer, module = _lightning(cfg, work, clock, None)
+    trainer.fit(module, datamodule=Data())
     return clock.steps_per_s()
 
 
