@@ -148,9 +148,9 @@ class DeviceStage:
             t = leaves[i]
             out[i] = torch.empty(t.shape, dtype=t.dtype, device=device)
             copies.append((out[i], t))
-        jobs = self._staging(leaves, out, pageable)
+        staging = self._staging(leaves, out, pageable)
         fresh = [o for o, t in zip(out, leaves, strict=True) if o is not t and isinstance(o, torch.Tensor)]
-        start, end = self._issue(consumer, copies, jobs)
+        start, end = self._issue(consumer, copies, staging)
         batch = rebuild(out)
         if self.transform is not None:
             batch, fresh = self._transform(batch, fresh, consumer)
@@ -162,15 +162,15 @@ class DeviceStage:
         self._collect_timing()
         return DeviceBatch(batch, end, hb.state, consumer, fresh, start is not None)
 
-    def _staging(self, leaves: list[Any], out: list[Any], pageable: list[int]) -> list[Callable[[], None]]:
-        """Allocate the device tensors of the pageable ``leaves`` (into ``out``); the jobs that stage them."""
+    def _staging(self, leaves: list[Any], out: list[Any], pageable: list[int]) -> Callable[[], Any] | None:
+        """Allocate the device tensors of the pageable ``leaves`` (into ``out``); the job that stages them."""
         if not pageable:
-            return []
+            return None
         host = [leaves[i] for i in pageable]
         staged, jobs = self.stager.prepare(host, self.device)
         for i, t in zip(pageable, staged, strict=True):
             out[i] = t
-        return [functools.partial(self._staged, functools.partial(_run_all, jobs), host)]
+        return functools.partial(self._staged, functools.partial(_run_all, jobs), host)
 
     def _on_loop_stream(self, hb: HostBatch, leaves: list[Any], rebuild: Any, out: list[Any],
                         pinned: list[int], pageable: list[int], consumer: Any) -> DeviceBatch:
@@ -199,8 +199,8 @@ class DeviceStage:
         return DeviceBatch(batch, None, hb.state, consumer, None)  # (its device tensors: found if needed)
 
     def _issue(self, consumer: Any, copies: list[tuple[torch.Tensor, torch.Tensor]],
-               jobs: list[Callable[[], None]]) -> tuple[Any, Any]:
-        """Fence the copy stream behind the consumer's allocations, issue the copies and jobs there, and
+               staging: Callable[[], Any] | None) -> tuple[Any, Any]:
+        """Fence the copy stream behind the consumer's allocations, issue the copies and staging there, and
         record the batch's event; the consumer's stream is current again after. Measures what the copy
         stream's own calls cost the loop's thread (``costs``)."""
         streams = self.streams
@@ -217,8 +217,8 @@ class DeviceStage:
             t1 = time.perf_counter()
             for dst, src in copies:
                 dst.copy_(src, non_blocking=True)
-            for job in jobs:
-                job()
+            if staging is not None:
+                staging()
             t2 = time.perf_counter()
             end.record(self.stream)
         finally:

@@ -79,16 +79,8 @@ class Stager:
         A job raises :class:`~gpufeed.host_memory.PinnedUnavailable` where pinned memory cannot be had.
         """
         outs: list[Any] = [None] * len(tensors)
-        jobs: list[Job] = []
-        for group in self._groups(tensors):
-            if len(group) > 1:
-                jobs.append(self._pack([tensors[j] for j in group], group, outs, device))
-                continue
-            t = tensors[group[0]]
-            outs[group[0]] = torch.empty(t.shape, dtype=t.dtype, device=device)
-            if t.numel():
-                jobs.append(functools.partial(self._send, t, outs[group[0]]))
-        return outs, jobs
+        jobs = [self._job(group, tensors, outs, device) for group in self._groups(tensors)]
+        return outs, [job for job in jobs if job is not None]
 
     def send(self, tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
         """The device copies of ``tensors``, issued now on the current stream: a tensor of its own as
@@ -100,16 +92,23 @@ class Stager:
         outs: list[Any] = [None] * len(tensors)
         for group in self._groups(tensors):
             t = tensors[group[0]]
-            if len(group) > 1:
-                self._pack([tensors[j] for j in group], group, outs, device)()
-            elif 0 < t.nbytes <= self.chunk_bytes:
-                t = t.contiguous()
-                outs[group[0]] = (host_memory.pin(t) if self.pin else t.clone()).to(device, non_blocking=True)
-            else:  # (empty, or pinned and sent chunk by chunk)
-                outs[group[0]] = torch.empty(t.shape, dtype=t.dtype, device=device)
-                if t.numel():
-                    self._send(t, outs[group[0]])
+            if len(group) == 1 and 0 < t.nbytes <= self.chunk_bytes:
+                outs[group[0]] = self._pinned(t.contiguous()).to(device, non_blocking=True)
+                continue
+            job = self._job(group, tensors, outs, device)  # (packed, or sent chunk by chunk, as prepare's)
+            if job is not None:
+                job()
         return outs
+
+    def _job(self, group: list[int], tensors: list[torch.Tensor], outs: list[Any],
+             device: torch.device) -> Job | None:
+        """Allocate the device tensors of ``group`` (into ``outs``); the job that copies them, packed or a
+        tensor alone (None for an empty one)."""
+        if len(group) > 1:
+            return self._pack([tensors[j] for j in group], group, outs, device)
+        t = tensors[group[0]]
+        outs[group[0]] = torch.empty(t.shape, dtype=t.dtype, device=device)
+        return functools.partial(self._send, t, outs[group[0]]) if t.numel() else None
 
     def _groups(self, tensors: list[torch.Tensor]) -> list[list[int]]:
         """The indices of ``tensors`` in the order they are sent: a tensor alone (larger than
