@@ -186,6 +186,40 @@ def test_cuda_objects_in_a_reference_cycle_are_never_collected_in_a_forked_worke
         gc.enable()
 
 
+def test_a_prefetcher_left_in_a_cycle_never_aborts_a_plain_dataloader_s_workers_later():
+    """A prefetcher kept in a cycle by a frame (an exception's traceback, as a trainer's loop leaves one)
+    after it ran; later a DataLoader that gpufeed does not wrap forks workers that collect: none may free
+    the prefetcher's events there (each would make a CUDA call and abort the worker)."""
+    import gc
+
+    class Collects(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            gc.collect()  # in the worker
+            return torch.tensor([i])
+
+    def train():
+        pf = CudaPrefetcher([torch.randn(1 << 16) for _ in range(8)])
+        try:
+            for _ in pf:
+                raise KeyError("stop")
+        except KeyError as exc:
+            failed = exc  # this frame -> failed -> its traceback -> this frame: a cycle holding pf
+        pf.close()
+        return failed is not None
+
+    gc.disable()
+    try:
+        assert train()
+        loader = torch.utils.data.DataLoader(Collects(), batch_size=2, num_workers=2,
+                                             multiprocessing_context="fork")
+        assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    finally:
+        gc.enable()
+
+
 def test_device_defaults_to_the_current_cuda_device_and_transform_runs_there():
     data = [torch.arange(256, dtype=torch.uint8).view(16, 16) for _ in range(4)]
     with CudaPrefetcher(data, transform=lambda t: t.float().mul_(0.25)) as pf:

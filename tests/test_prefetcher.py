@@ -673,6 +673,33 @@ def test_the_collector_is_on_again_after_workers_fork():
     assert gc.isenabled()
 
 
+def test_once_gpufeed_made_cuda_objects_every_forked_worker_freezes_what_it_inherits(monkeypatch):
+    """A plain DataLoader, not wrapped by gpufeed, forks its workers after a prefetcher ran on CUDA (the
+    flag that run sets, set here): each worker freezes every object it inherited, and collects again;
+    without the flag, a plain DataLoader's workers are left as torch makes them."""
+    from gpufeed import _forks
+
+    def freeze_counts(guarded):
+        monkeypatch.setattr(_forks, "_guard_all", guarded)
+        loader = torch.utils.data.DataLoader(_FreezeCount(), batch_size=2, num_workers=2,
+                                             multiprocessing_context="fork")
+        return [int(n) for b in loader for n in b]
+
+    mine = gc.get_freeze_count()  # (what the program froze itself, inherited as it is)
+    assert min(freeze_counts(True)) > mine + 1000 and gc.isenabled()
+    assert freeze_counts(False) == [mine] * 4
+
+
+class _FreezeCount(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        if not gc.isenabled():
+            os._exit(3)  # (the DataLoader reports the worker's exit)
+        return gc.get_freeze_count()
+
+
 def _assert_collecting(worker_id):
     if not gc.isenabled() or gc.get_freeze_count() == 0:
         os._exit(3)  # (the DataLoader reports the worker's exit)

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gpufeed import _nvtx, host_memory
+from gpufeed import _forks, _nvtx, host_memory
 from gpufeed._staging import Stager
 from gpufeed._starvation import GpuWaits
 from gpufeed._tree import flatten
@@ -79,6 +79,8 @@ class DeviceStage:
         self.transform = transform
         self.stats = stats
         self.cuda = device.type == "cuda"
+        if self.cuda:  # (its events and streams, left in a cycle, must never be collected in a forked child)
+            _forks.guard_every_fork()
         self.stream = copy_stream(device) if self.cuda else None
         self.streams = _Streams(device, self.stream) if self.cuda else None
         self.stager = Stager(pin=self.cuda)

@@ -7,12 +7,11 @@ collate into the prefetcher's worker arena (pinned shared memory), where one is 
 
 from __future__ import annotations
 
-import gc
-import os
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from gpufeed import _forks
 from gpufeed._resumable import take_state, why_not_resumable
 from gpufeed.host_memory import HostBatch
 from gpufeed.host_memory.worker_arena import SlotBatch, WorkerArena
@@ -20,42 +19,6 @@ from gpufeed.loaders._epochs import Epochs
 
 #: The version of the prefetcher's own state_dict (the wrapped loader's state sits inside it).
 STATE_VERSION = 1
-
-#: Iterations starting their workers now (from ``iter()`` to the first batch). A process forked meanwhile
-#: is one of their workers: it freezes the collector's objects it inherited (:func:`_after_fork`).
-_starting = 0
-_collecting: bool | None = None  # across a fork of a worker: whether the collector was on before it
-
-
-def _before_fork() -> None:
-    """Before a fork while an iteration starts its workers: the collector off across it, so that no
-    collection runs in the child before it freezes (other fork handlers allocate first)."""
-    global _collecting
-    if _starting > 0:
-        _collecting = gc.isenabled()
-        gc.disable()
-
-
-def _after_fork(child: bool) -> None:
-    """After it: the child, a worker, freezes every object it inherited; both turn the collector back on.
-
-    The main process's unreachable cycles are copied into the worker; collected there, their CUDA objects
-    (an event, a device tensor, a block of pinned memory) would make a CUDA call in the child and abort
-    it. Frozen, the worker never collects them (nor dirties their pages). The main process's collector is
-    left as it was: a program's own ``gc.freeze()`` or ``gc.disable()`` stays its own."""
-    global _collecting
-    if _collecting is None:
-        return
-    if child:
-        gc.freeze()
-    if _collecting:
-        gc.enable()
-    _collecting = None
-
-
-os.register_at_fork(before=_before_fork, after_in_parent=lambda: _after_fork(False),
-                    after_in_child=lambda: _after_fork(True))
-
 
 def has_workers(loader: Any) -> bool:
     """Whether ``loader`` is a DataLoader whose batches are collated in worker processes."""
@@ -198,17 +161,16 @@ def _batches(loader: Any, arena: WorkerArena | None) -> Iterator[HostBatch]:
 
     While the iteration starts its workers (at ``iter()`` for a DataLoader, at the first ``next()`` for a
     wrapper that iterates one lazily, as accelerate's do), the DataLoader's ``collate_fn`` is the arena's,
-    and a process forked meanwhile, a worker, freezes the objects it inherited (:func:`_after_fork`).
+    and a process forked meanwhile, a worker, freezes the objects it inherited (:mod:`gpufeed._forks`).
     Both end when the first batch arrives."""
     inner = _workers_of(loader)
     collate = arena.begin(inner) if arena is not None and has_workers(inner) else None
     original = getattr(inner, "collate_fn", None)
     if collate is not None:
         inner.collate_fn = collate
-    global _starting
     starting = has_workers(inner)
     if starting:
-        _starting += 1
+        _forks.starting(+1)
     it = None
     try:
         it = iter(loader)
@@ -238,11 +200,10 @@ def _batches(loader: Any, arena: WorkerArena | None) -> Iterator[HostBatch]:
 
 def _started(starting: bool, inner: Any, collate: Any, original: Any) -> bool:
     """The workers started: the loader's own collate_fn back, forks no longer its workers'."""
-    global _starting
     if collate is not None and inner.collate_fn is collate:
         inner.collate_fn = original
     if starting:
-        _starting -= 1
+        _forks.starting(-1)
     return False
 
 
