@@ -215,7 +215,7 @@ def test_a_prefetcher_left_in_a_cycle_never_aborts_a_plain_dataloader_s_workers_
         assert train()
         loader = torch.utils.data.DataLoader(Collects(), batch_size=2, num_workers=2,
                                              multiprocessing_context="fork")
-        assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        assert [b.tolist() for b in loader] == [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]]]
     finally:
         gc.enable()
 
