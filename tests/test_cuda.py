@@ -154,30 +154,31 @@ def test_the_link_is_measured_once_as_a_latency_and_a_rate():
     assert link_cost(device) == (latency, rate)
 
 
+class _CollectsInWorker(torch.utils.data.Dataset):
+    """8 samples; reading one runs a full collection in the DataLoader's worker."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        gc.collect()
+        return torch.tensor([i])
+
+
 def test_cuda_objects_in_a_reference_cycle_are_never_collected_in_a_forked_worker():
     """A prefetcher (its stream and events) and its batches left in a cycle when a DataLoader forks its
     workers: collected there, an event or a pinned block would make a CUDA call and abort the worker. The
     collector's objects are frozen while the workers start, so no worker frees them."""
-    import gc
-
     class Cycle:
         def __init__(self, *held):
             self.me, self.held = self, held
-
-    class Collects(torch.utils.data.Dataset):
-        def __len__(self):
-            return 8
-
-        def __getitem__(self, i):
-            gc.collect()  # in the worker
-            return torch.tensor([i])
 
     gc.disable()
     try:
         pf = CudaPrefetcher([torch.randn(1 << 18).pin_memory() for _ in range(4)])
         Cycle(pf, list(pf), pf._stage)
         del pf
-        loader = torch.utils.data.DataLoader(Collects(), batch_size=2, num_workers=2,
+        loader = torch.utils.data.DataLoader(_CollectsInWorker(), batch_size=2, num_workers=2,
                                              multiprocessing_context="fork")
         for _ in range(2):
             with CudaPrefetcher(loader) as pf:
@@ -190,16 +191,6 @@ def test_a_prefetcher_left_in_a_cycle_never_aborts_a_plain_dataloader_s_workers_
     """A prefetcher kept in a cycle by a frame (an exception's traceback, as a trainer's loop leaves one)
     after it ran; later a DataLoader that gpufeed does not wrap forks workers that collect: none may free
     the prefetcher's events there (each would make a CUDA call and abort the worker)."""
-    import gc
-
-    class Collects(torch.utils.data.Dataset):
-        def __len__(self):
-            return 8
-
-        def __getitem__(self, i):
-            gc.collect()  # in the worker
-            return torch.tensor([i])
-
     def train():
         pf = CudaPrefetcher([torch.randn(1 << 16) for _ in range(8)])
         try:
@@ -213,7 +204,7 @@ def test_a_prefetcher_left_in_a_cycle_never_aborts_a_plain_dataloader_s_workers_
     gc.disable()
     try:
         assert train()
-        loader = torch.utils.data.DataLoader(Collects(), batch_size=2, num_workers=2,
+        loader = torch.utils.data.DataLoader(_CollectsInWorker(), batch_size=2, num_workers=2,
                                              multiprocessing_context="fork")
         assert [b.tolist() for b in loader] == [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]]]
     finally:
