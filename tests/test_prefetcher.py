@@ -690,6 +690,28 @@ def test_once_gpufeed_made_cuda_objects_every_forked_worker_freezes_what_it_inhe
     assert freeze_counts(False) == [mine] * 4
 
 
+def test_two_threads_forking_at_once_leave_the_collector_on(monkeypatch):
+    """Each fork's handlers run outside any lock, so two threads' forks may interleave: the collector is
+    off from the first fork's start to the last one's end, and on again after, as it was."""
+    from gpufeed import _forks
+
+    monkeypatch.setattr(_forks, "_guard_all", True)
+    assert gc.isenabled()
+    _forks._before()  # (a thread starts forking)
+    _forks._before()  # (another one, before the first has finished)
+    _forks._after(False)
+    assert not gc.isenabled()
+    _forks._after(False)
+    assert gc.isenabled()
+    gc.disable()  # a program that runs with the collector off keeps it off
+    try:
+        _forks._before()
+        _forks._after(False)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 class _FreezeCount(torch.utils.data.Dataset):
     def __len__(self):
         return 4

@@ -19,7 +19,10 @@ import os
 
 _guard_all = False  # gpufeed made CUDA objects here: every later fork is guarded
 _starting = 0  # iterations starting their workers now (from ``iter()`` to the first batch)
-_collecting: bool | None = None  # across a guarded fork: whether the collector was on before it
+# Guarded forks under way (two threads may fork at once; each fork's handlers run outside any lock), and
+# whether the collector was on before the first of them: it is turned back on after the last.
+_forking = 0
+_was_collecting = False
 
 
 def guard_every_fork() -> None:
@@ -35,21 +38,26 @@ def starting(delta: int) -> None:
 
 
 def _before() -> None:
-    global _collecting
-    if _guard_all or _starting > 0:
-        _collecting = gc.isenabled()
-        gc.disable()
+    global _forking, _was_collecting
+    if not (_guard_all or _starting > 0):
+        return
+    if _forking == 0:
+        _was_collecting = gc.isenabled()
+    _forking += 1
+    gc.disable()
 
 
 def _after(child: bool) -> None:
-    global _collecting
-    if _collecting is None:
+    global _forking
+    if _forking == 0:
         return
-    if child:
+    if child:  # (the child forked once, whatever other threads of the parent were doing)
         gc.freeze()
-    if _collecting:
+        _forking = 0
+    else:
+        _forking -= 1
+    if _forking == 0 and _was_collecting:
         gc.enable()
-    _collecting = None
 
 
 os.register_at_fork(before=_before, after_in_parent=lambda: _after(False),
