@@ -347,6 +347,23 @@ def test_worker_slots_needs_a_dataloader_with_workers():
         pf.close()
 
 
+def test_worker_slots_over_a_factory_needs_workers_in_each_loader_it_returns():
+    """A factory's loader is known only when an epoch starts: one without workers, which would leave
+    worker_slots=True without effect, raises then, as a loader without workers does at construction."""
+    for returned, what in ((lambda: [torch.ones(2)], "list"),
+                           (lambda: DataLoader(Items(4), batch_size=2), "DataLoader")):
+        pf = CudaPrefetcher(returned, device="cpu", worker_slots=True)
+        with pytest.raises(ValueError, match=rf"worker_slots=True: .*slots, and the {what} the factory "
+                                             "returned has none; leave worker_slots unset"):
+            iter(pf)
+        pf.close()
+    # unset (or off), a factory's loader without workers is iterated as it is
+    for asked in (None, False):
+        factory = lambda: DataLoader(Items(4), batch_size=2)  # noqa: E731
+        with CudaPrefetcher(factory, device="cpu", worker_slots=asked) as pf:
+            assert [b["i"].tolist() for b in pf] == [[0, 1], [2, 3]]
+
+
 # -- the protocol, in one process ----------------------------------------------------------------------
 
 

@@ -20,7 +20,7 @@ from gpufeed._static import StaticBuffers
 from gpufeed._threads import Failure
 from gpufeed._tracing import TraceRecorder
 from gpufeed.host_memory.worker_arena import WorkerArena
-from gpufeed.loaders.dataloader import LoaderAdapter, has_workers
+from gpufeed.loaders.dataloader import LoaderAdapter, has_workers, no_workers_message
 from gpufeed.loaders.source_loader import SourceLoader
 from gpufeed.stats import PrefetchStats
 
@@ -65,7 +65,9 @@ class CudaPrefetcher:
         worker_slots: a DataLoader's workers collate each batch into shared memory that the prefetcher
             pinned once, so the main process copies none of its bytes. ``None`` (default): on for a
             DataLoader with workers (or a callable returning one) on CUDA; ``True`` also on the CPU, where
-            the batch is copied out of its slot; ``False``: batches cross as the DataLoader sends them.
+            the batch is copied out of its slot (ValueError for a loader without workers; a callable's
+            loader is checked each epoch, at ``iter()``); ``False``: batches cross as the DataLoader sends
+            them.
         measure: time how long the GPU waited for its batches, for ``stats``' verdict (default ``True``):
             CUDA events on the loop's stream for each of the first 64 batches, then for two batches in
             about 64 (about 1 us a batch), read batches later. ``False``: no events, and no verdict (the
@@ -375,9 +377,8 @@ def _worker_arena(asked: bool | None, loader: Any, adapter: Any, cuda: bool, dep
     if not asked:
         return None
     if not (has_workers(loader) or adapter.is_factory):
-        what = "num_workers=0" if hasattr(loader, "num_workers") else f"a {type(loader).__name__}"
-        raise ValueError(f"worker_slots=True: the workers of a DataLoader (num_workers > 0) collate into the "
-                         f"slots, and {what} has none; leave worker_slots unset")
+        raise ValueError(no_workers_message(loader))
+    adapter.needs_workers = adapter.is_factory  # (a factory's loaders are checked as it returns them)
     return WorkerArena(pin=cuda, depth=depth, stats=stats)
 
 

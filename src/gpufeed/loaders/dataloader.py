@@ -27,6 +27,17 @@ def has_workers(loader: Any) -> bool:
     return isinstance(loader, torch.utils.data.DataLoader) and loader.num_workers > 0
 
 
+def no_workers_message(loader: Any, from_factory: bool = False) -> str:
+    """Why ``worker_slots=True`` cannot apply to ``loader`` (``from_factory``: a factory returned it)."""
+    if from_factory:
+        kind = "DataLoader" if hasattr(loader, "num_workers") else type(loader).__name__
+        what = f"the {kind} the factory returned"
+    else:
+        what = "num_workers=0" if hasattr(loader, "num_workers") else f"a {type(loader).__name__}"
+    return (f"worker_slots=True: the workers of a DataLoader (num_workers > 0) collate into the slots, and "
+            f"{what} has none; leave worker_slots unset")
+
+
 def forward_set_epoch(loader: Any, epoch: int) -> None:
     """Call ``set_epoch`` on the loader, its sampler and its batch sampler, each once."""
     seen: set[int] = set()
@@ -62,6 +73,9 @@ class LoaderAdapter(Epochs):
         self._iterating = 0  # the epoch of the iteration under way (or the next, or the one resumed in)
         self._resume: int | None = None  # the epoch to resume in, after load_state_dict
         self._end_state: Any = None  # the loader's state after its last iteration ended
+        #: ``worker_slots=True`` over a factory: every loader it returns must have workers to collate into
+        #: the slots (checked each epoch, as the prefetcher checks a loader it is given at construction).
+        self.needs_workers = False
 
     @property
     def is_factory(self) -> bool:
@@ -128,6 +142,8 @@ class LoaderAdapter(Epochs):
             self._one_shot = False  # said once
         self._iterated = True
         loader = self._factory() if self._factory is not None else self.source
+        if self.needs_workers and not has_workers(_workers_of(loader)):
+            raise ValueError(no_workers_message(loader, from_factory=True))
         self._end_state = None
         if self._factory is not None or self.not_resumable is not None:  # (no state to take: one generator)
             return _batches(loader, arena)
