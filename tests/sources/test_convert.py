@@ -271,7 +271,7 @@ def test_raw_source_selects_and_renames_the_fields_of_a_manifest_as_h5source_doe
     assert list(renamed.fields) == ["a"] and renamed.fields["a"].shape == every.fields[first].shape
     with pytest.raises(ValueError, match=r"has no field \['nope'\]; its fields are: "):
         RawSource(manifest, fields=["nope"])
-    with pytest.raises(ValueError, match=r"do not pass name=, dtype= or shape="):
+    with pytest.raises(ValueError, match=r"do not pass name=, dtype=, shape= or offset="):
         RawSource(manifest, name="y")
 
 

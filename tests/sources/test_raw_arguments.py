@@ -6,6 +6,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from gpufeed.sources import RawSource
 
@@ -53,3 +54,53 @@ def test_only_a_signature_where_hdf5_looks_makes_an_hdf5_file(tmp_path):
         RawSource(tmp_path / "x.bin", dtype="uint8", shape=16)
     # offset= says the caller knows the layout: bytes after a header are read as raw samples
     assert len(RawSource(tmp_path / "x.bin", dtype="uint8", shape=16, offset=16)) == 255
+
+
+def test_name_with_fields_raises_and_says_the_keys_name_the_fields(tmp_path):
+    """name= names the one field of paths=; beside fields= it would name nothing."""
+    np.save(tmp_path / "x.npy", np.zeros((4, 2), np.float32))
+    spec = {"img": str(tmp_path / "x.npy")}
+    with pytest.raises(ValueError) as err:
+        RawSource(fields=spec, name="y")
+    assert str(err.value) == ("RawSource: name='y' names the one field of paths=; with fields=, each key "
+                              "names its field: RawSource(fields={name: files})")
+    assert list(RawSource(fields=spec).fields) == ["img"]
+    assert list(RawSource(tmp_path / "x.npy", name="y").fields) == ["y"]  # with paths=, it names the field
+
+
+def test_an_offset_that_applies_to_no_raw_file_raises(tmp_path):
+    """offset= skips a raw file's header; .npy files and a manifest know where their data start, so an
+    offset that reaches no raw file raises instead of being dropped."""
+    from gpufeed import convert_h5_to_raw
+
+    np.save(tmp_path / "x.npy", np.arange(8, dtype=np.float32).reshape(4, 2))
+    (tmp_path / "y.bin").write_bytes(bytes(16) + np.arange(4, dtype=np.int64).tobytes())
+    npy = str(tmp_path / "x.npy")
+    for kwargs in ({"paths": npy}, {"fields": {"x": npy}}, {"fields": {"x": [npy, npy]}}):
+        with pytest.raises(ValueError) as err:
+            RawSource(**kwargs, offset=16)
+        assert str(err.value) == ("RawSource: offset=16 skips a header of raw files, and every file here is "
+                                  ".npy, whose header says where its data start; leave offset out")
+    with pytest.raises(ValueError) as err:
+        RawSource(fields={"x": {"paths": npy, "offset": 16}})
+    assert str(err.value) == ("RawSource: field 'x': offset=16 skips a header of raw files, and its files "
+                              "are .npy, whose header says where their data start; leave offset out of its "
+                              "spec")
+    # an offset for the raw files beside .npy ones applies to those
+    y = str(tmp_path / "y.bin")
+    src = RawSource(fields={"x": npy, "y": {"paths": y, "dtype": "int64"}}, offset=16)
+    out = {"x": torch.empty(4, 2), "y": torch.empty(4, dtype=torch.int64)}
+    src.read(range(4), out)
+    assert out["y"].tolist() == [0, 1, 2, 3] and out["x"].flatten().tolist() == list(range(8))
+    assert len(RawSource(fields={"x": npy, "y": {"paths": y, "dtype": "int64", "offset": 16}})) == 4
+    # a manifest records its fields' offsets
+    h5py = pytest.importorskip("h5py")
+    with h5py.File(tmp_path / "a.h5", "w") as f:
+        f["x"] = np.zeros((4, 2), np.float32)
+    manifest = convert_h5_to_raw(str(tmp_path / "a.h5"), str(tmp_path / "a.raw"))
+    with pytest.raises(ValueError) as err:
+        RawSource(manifest, offset=16)
+    assert str(err.value) == (f"RawSource: the manifest {manifest} records each field's name, dtype, shape "
+                              "and data offset; do not pass name=, dtype=, shape= or offset= (select fields "
+                              "with fields=[...])")
+    assert len(RawSource(manifest)) == 4

@@ -42,12 +42,15 @@ class RawSource(HostFileSource):
         dtype: sample dtype of raw files (numpy-style like ``"float32"``, or a torch dtype such as
             ``torch.bfloat16``). ``.npy`` files carry their own; if given, it must match.
         shape: per-sample shape of raw files (``()`` for scalars). ``.npy`` files carry their own.
-        name: the field name when ``paths`` holds a single field (default ``"x"``; a manifest names its own).
+        name: the field name when ``paths`` holds a single field (default ``"x"``; a manifest names its own;
+            with ``fields=`` its keys name the fields, and ``name=`` raises ValueError).
         fields: several fields, ``{name: spec}``, where spec is a path, a list of paths, or a dict with
             ``paths`` and optionally ``dtype``, ``shape``, ``offset`` (defaults: the arguments above).
             With a manifest, the fields to load, as for ``H5Source``: a list of names, or
             ``{new name: field}``; default every field.
-        offset: bytes to skip at the start of each raw file (a header); ignored for ``.npy`` files.
+        offset: bytes to skip at the start of each raw file (a header). ``.npy`` files skip their own
+            header: an offset that applies to no raw file (every file ``.npy``, or a manifest) raises
+            ValueError.
         mmap_gather: how a shuffled batch (many short runs) is read. ``None`` (default): rows found in
             the page cache are gathered from a read-only memory map of each file, in one copy that
             releases the GIL, others with one positional read per run, all in flight at once; a sample of
@@ -85,13 +88,15 @@ class RawSource(HostFileSource):
         num_threads: int | None = None,
     ) -> None:
         if paths is not None and _is_manifest(paths):
-            if dtype is not None or shape is not None or name is not None:
-                raise ValueError("RawSource: a manifest records each field's name, dtype and shape; do not "
-                                 "pass name=, dtype= or shape= (select fields with fields=[...])")
+            if dtype is not None or shape is not None or name is not None or offset:
+                raise ValueError(f"RawSource: the manifest {os.fspath(paths)} records each field's name, "
+                                 "dtype, shape and data offset; do not pass name=, dtype=, shape= or offset= "
+                                 "(select fields with fields=[...])")
             per_field, self._metadata = _from_manifest(paths)
             self._build(_select(per_field, fields, str(paths)), mmap_gather, num_threads)
             return
         self._metadata = decode(None)
+        name_given = name is not None
         name = "x" if name is None else name
         if isinstance(paths, Mapping):  # else its keys would be taken for file names
             raise TypeError(
@@ -108,13 +113,19 @@ class RawSource(HostFileSource):
             fields = {name: paths}
         elif paths is not None:
             raise ValueError("RawSource: pass either paths=... or fields={...}, not both")
+        elif name_given:
+            raise ValueError(f"RawSource: name={name!r} names the one field of paths=; with fields=, each "
+                             "key names its field: RawSource(fields={name: files})")
         if not isinstance(fields, Mapping) or not fields:
             raise ValueError(
                 f"RawSource: fields must be a non-empty mapping of name -> files, got {fields!r}"
             )
         defaults = {"dtype": dtype, "shape": shape, "offset": offset}
-        self._build([_field_files(str(n), spec, defaults) for n, spec in fields.items()], mmap_gather,
-                    num_threads)
+        per_field = [_field_files(str(n), spec, defaults) for n, spec in fields.items()]
+        if offset and all(path.endswith(".npy") for _, files in per_field for path, _, _ in files):
+            raise ValueError(f"RawSource: offset={offset} skips a header of raw files, and every file here "
+                             "is .npy, whose header says where its data start; leave offset out")
+        self._build(per_field, mmap_gather, num_threads)
 
     @classmethod
     def from_manifest(cls, path: PathLike, *, mmap_gather: bool | None = None,
@@ -213,7 +224,11 @@ def _field_files(
                 f"got {sorted(spec)}"
             )
         opts.update({k: v for k, v in spec.items() if k != "paths"})
-        spec = spec["paths"]
+        own_offset, spec = spec.get("offset"), spec["paths"]
+        if own_offset and all(p.endswith(".npy") for p in as_paths(spec, f"RawSource field '{name}'")):
+            raise ValueError(f"RawSource: field '{name}': offset={own_offset} skips a header of raw files, "
+                             "and its files are .npy, whose header says where their data start; leave offset "
+                             "out of its spec")
     paths = as_paths(spec, f"RawSource field '{name}'")
     opened = [_open_one(name, path, opts) for path in paths]
     field = opened[0][0]
