@@ -325,6 +325,24 @@ def test_decode_cpu_and_datasets_without_gzip_never_warn(tmp_path, fresh_warning
         H5Source(tmp_path / "z.h5", decode="fast")
 
 
+def test_decode_gpu_without_a_field_gpufeed_decodes_raises(tmp_path, fresh_warning):
+    """decode='gpu' applies to gzip fields only: where no field is one (uncompressed, another filter that
+    h5py reads, or use_offsets=False), it raises instead of doing nothing, with or without CUDA."""
+    _write(tmp_path / "plain.h5", {"x": (_array((20, 4), "<f4"), (5, 4))})
+    _write(tmp_path / "z.h5", {"x": (_array((20, 4), "<f4"), (5, 4))}, compression="gzip")
+    lzf = tmp_path / "lzf.h5"
+    _write(lzf, {"x": (_array((20, 4), "<f4"), (5, 4))}, compression="lzf")
+    for path, kwargs, how in ((tmp_path / "plain.h5", {}, "describe() says how each is read"),
+                              (lzf, {}, "describe() says how each is read"),
+                              (tmp_path / "z.h5", {"use_offsets": False},
+                               "use_offsets=False reads every field through h5py")):
+        with pytest.raises(ValueError) as err:
+            H5Source(path, decode="gpu", **kwargs)
+        assert str(err.value) == ("H5Source: decode='gpu' applies to gzip-compressed fields, and no field "
+                                  f"here is decoded by gpufeed ({how}); leave decode at 'auto'")
+        assert len(H5Source(path, **kwargs)) == 20  # as the message says
+
+
 def test_a_missing_nvcomp_package_names_the_extra(monkeypatch):
     monkeypatch.setattr(_nvcomp, "_LOADED", None)
     monkeypatch.setitem(sys.modules, "nvidia.libnvcomp", None)

@@ -101,8 +101,10 @@ class H5Source(HostFileSource):
             parallel); ``"gpu"``: nvCOMP on the GPU (``pip install 'gpufeed[nvcomp]'``), several times
             faster, holding each batch's decoded chunks in device memory, up to ``num_threads`` batches of
             a ``SourceLoader`` at once (docs/sources.md). A missing nvCOMP or CUDA warns once and decodes
-            on the CPU. With GPU decoding the source reads to the device: its other fields are read into
-            pinned memory and copied by the read itself.
+            on the CPU; ``"gpu"`` raises ValueError when no field is gzip-compressed (or with
+            ``use_offsets=False``, which reads every field through h5py). With GPU decoding the source
+            reads to the device: its other fields are read into pinned memory and copied by the read
+            itself.
         mmap_gather: how shuffled batches are read, as for ``RawSource`` (by default rows in the page
             cache are gathered from memory maps). It applies to the fields read by byte offset in every
             file; the others (gzip chunks decoded here, h5py) keep their path. ``True`` raises ValueError
@@ -173,6 +175,11 @@ class H5Source(HostFileSource):
         self._h5 = _H5Files(self._paths)
         self._tables = {(i, ff[n].extents[0].dataset): ff[n].table
                         for i, ff in enumerate(found) for n in names if ff[n].table is not None}
+        if decode == "gpu" and not self._tables:
+            how = "use_offsets=False reads every field through h5py" if not use_offsets else (
+                "describe() says how each is read")
+            raise ValueError(f"H5Source: decode='gpu' applies to gzip-compressed fields, and no field here "
+                             f"is decoded by gpufeed ({how}); leave decode at 'auto'")
         self._gpu = bool(self._tables) and use_gpu(decode, "H5Source")
 
     @property
