@@ -18,3 +18,13 @@ def test_import_loads_no_optional_backend():
             "if m in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
+
+
+def test_what_public_methods_return_is_importable_from_a_public_module():
+    """PrefetchStats.verdict() returns a Verdict, defined in a private module and public in gpufeed.stats."""
+    import gpufeed.stats
+
+    verdict = gpufeed.PrefetchStats().verdict()
+    assert type(verdict) is gpufeed.stats.Verdict and "Verdict" in gpufeed.stats.__all__
+    assert sorted(gpufeed.stats.__all__) == gpufeed.stats.__all__
+    assert all(getattr(gpufeed.stats, name).__doc__ for name in gpufeed.stats.__all__)

@@ -10,6 +10,9 @@ from typing import Any
 
 from gpufeed._verdict import EMPTY_LOOP_US, Verdict, WaitHistogram, judge
 
+#: ``Verdict`` is what :meth:`PrefetchStats.verdict` returns: public here, though defined beside the rules.
+__all__ = ["PrefetchStats", "Verdict"]
+
 #: What each stage is called in the summary; ``fetch`` is the loader's ``next()`` (a SourceLoader's reads).
 _STAGE_NAMES = {"fetch": "loader", "stage": "staging", "copy": "H2D copy", "other": "hand-over"}
 
@@ -149,7 +152,7 @@ class PrefetchStats:
         return self.verdict().label == "INPUT-BOUND"
 
     def verdict(self) -> Verdict:
-        """``(label, reason, next_step)``: see :class:`gpufeed._verdict.Verdict`."""
+        """``(label, reason, next_step)``: a :class:`gpufeed.stats.Verdict`."""
         return judge(self)
 
     # -- counting ----------------------------------------------------------------------------------
