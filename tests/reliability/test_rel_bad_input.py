@@ -167,8 +167,8 @@ def test_wrong_dtype(kind, tmp_path):
                "concatenated files must agree")
     elif kind == "manifest":
         _, _opener = write(kind, tmp_path)
-        expect(lambda: RawSource(tmp_path / "draw", dtype="float32"), ValueError, "",
-               r"manifest records each field.s name, dtype and shape; do not pass name=, dtype=")
+        expect(lambda: RawSource(tmp_path / "draw", dtype="float32"), ValueError, r"manifest \S*draw",
+               r"records each field.s name, dtype, shape and data offset; do not pass name=, dtype=")
     else:
         write(kind, tmp_path, name="a")
         write(kind, tmp_path, X.astype(np.float64), name="b")
