@@ -167,7 +167,7 @@ def test_manifest_from_another_version(manifest):
 
 
 def test_manifest_with_dtype_argument(manifest):
-    with pytest.raises(ValueError, match=r"manifest records each field.s name, dtype and shape"):
+    with pytest.raises(ValueError, match=r"records each field.s name, dtype, shape and data offset"):
         RawSource(manifest, dtype="float32")
 
 
