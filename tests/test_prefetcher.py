@@ -427,6 +427,9 @@ def test_len_without_len_is_a_type_error():
         ({"device": "tpu:0"}, "device"),
         ({"device": "bogus"}, "device"),
         ({"transform": 5}, "transform must be callable"),
+        ({"static": "no"}, "static must be True or False, got 'no'"),
+        ({"trace": 1}, "trace must be True, False or None, got 1"),
+        ({"worker_slots": "auto"}, "worker_slots must be True, False or None, got 'auto'"),
     ],
 )
 def test_invalid_arguments_say_what_and_how(kwargs, match):

@@ -90,8 +90,11 @@ class CudaPrefetcher:
             raise ValueError(f"depth must be an int >= 1 (batches prefetched ahead), got {depth!r}")
         if transform is not None and not callable(transform):
             raise ValueError(f"transform must be callable, got {type(transform).__name__}")
-        if not isinstance(measure, bool):
-            raise ValueError(f"measure must be True or False, got {measure!r}")
+        for name, value, unset in (("static", static, False), ("measure", measure, False),
+                                   ("trace", trace, True), ("worker_slots", worker_slots, True)):
+            if not (isinstance(value, bool) or (unset and value is None)):
+                allowed = "True, False or None" if unset else "True or False"
+                raise ValueError(f"{name} must be {allowed}, got {value!r}")
         self.device = resolve_device(device)
         self.depth = depth
         self.transform = transform
