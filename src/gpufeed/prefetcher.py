@@ -38,8 +38,10 @@ class CudaPrefetcher:
     Wraps any iterable (a DataLoader, a list, a callable that returns a fresh iterable each epoch), or a
     :class:`~gpufeed.SourceLoader`, which reads a :class:`~gpufeed.BatchSource` straight into pinned
     buffers. ``depth`` batches are kept copied ahead of the loop: each ``next()`` takes one batch from the
-    loader, issues its copies on a dedicated copy stream (pinning what is not pinned), and hands over the
-    batch copied ``depth`` calls earlier, whose copy overlapped the loop's steps meanwhile. Everything
+    loader, issues its copies on a dedicated copy stream (pinning what is not pinned; a small batch, whose
+    copy costs less than that stream's calls, on the loop's stream as ``.to(non_blocking=True)`` would),
+    and hands over the batch copied ``depth`` calls earlier, whose copy overlapped the loop's steps
+    meanwhile. Everything
     slow runs where it runs without gpufeed: a DataLoader's workers collate (into pinned shared memory,
     ``worker_slots``), a SourceLoader's threads read; the loop's thread only issues copies. Re-iterate it
     for each epoch; ``len``, ``set_epoch`` and ``state_dict`` behave as a DataLoader's. ``pf.stats`` (a
