@@ -187,7 +187,6 @@ class DeviceStage:
         if self.transform is not None:
             with _nvtx.range("gpufeed.transform"):
                 batch = self.transform(batch)
-            out = flatten(batch)[0]
         if hb.lease is not None:  # the host memory goes back once the loop's stream has read it
             end = torch.cuda.Event()
             end.record(consumer)

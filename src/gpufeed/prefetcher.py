@@ -41,12 +41,12 @@ class CudaPrefetcher:
     loader, issues its copies on a dedicated copy stream (pinning what is not pinned; a small batch, whose
     copy costs less than that stream's calls, on the loop's stream as ``.to(non_blocking=True)`` would),
     and hands over the batch copied ``depth`` calls earlier, whose copy overlapped the loop's steps
-    meanwhile. Everything
-    slow runs where it runs without gpufeed: a DataLoader's workers collate (into pinned shared memory,
-    ``worker_slots``), a SourceLoader's threads read; the loop's thread only issues copies. Re-iterate it
-    for each epoch; ``len``, ``set_epoch`` and ``state_dict`` behave as a DataLoader's. ``pf.stats`` (a
-    :class:`~gpufeed.PrefetchStats`) says whether the GPU waited for data, and what to do. Without CUDA
-    (or with ``device="cpu"``) the same class runs on the CPU, without streams.
+    meanwhile. Everything slow runs where it runs without gpufeed: a DataLoader's workers collate (into
+    pinned shared memory, ``worker_slots``), a SourceLoader's threads read; the loop's thread only issues
+    copies. Re-iterate it for each epoch; ``len``, ``set_epoch`` and ``state_dict`` behave as a
+    DataLoader's. ``pf.stats`` (a :class:`~gpufeed.PrefetchStats`) says whether the GPU waited for data,
+    and what to do. Without CUDA (or with ``device="cpu"``) the same class runs on the CPU, without
+    streams.
 
     Example:
         >>> loader = [{"x": torch.arange(4)}, {"x": torch.arange(4, 8)}]
@@ -383,8 +383,7 @@ def _worker_arena(asked: bool | None, loader: Any, adapter: Any, cuda: bool, dep
         return None
     if not (has_workers(loader) or adapter.is_factory):
         raise ValueError(no_workers_message(loader))
-    adapter.needs_workers = adapter.is_factory  # (a factory's loaders are checked as it returns them)
-    return WorkerArena(pin=cuda, depth=depth, stats=stats)
+    return WorkerArena(pin=cuda, depth=depth, stats=stats, required=True)  # (a factory's loaders: each epoch)
 
 
 def _describe(loader: Any) -> dict[str, Any]:

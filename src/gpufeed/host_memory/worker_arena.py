@@ -229,12 +229,14 @@ class WorkerArena:
     still be collating a batch of a broken-off epoch): another loader's batches cross as the DataLoader
     sends them, as do those of a persistent loader whose workers another prefetcher started.
     ``pin=False`` (the CPU path) keeps the slots in shared memory only: the batch is copied out of its slot
-    before the slot is released.
+    before the slot is released. ``required``: the slots were asked for (``worker_slots=True``), so a
+    loader without workers to collate into them is an error, not a fallback.
     """
 
-    def __init__(self, pin: bool, depth: int = 1, stats: Any = None) -> None:
+    def __init__(self, pin: bool, depth: int = 1, stats: Any = None, required: bool = False) -> None:
         self.stats = stats  # the prefetcher's: counts the batches that crossed in slots
         self.pin = pin
+        self.required = required
         self.depth = depth  # the prefetcher's: batches it holds ahead of the loop
         self._slots: dict[int, torch.Tensor] = {}
         self._leased: set[int] = set()

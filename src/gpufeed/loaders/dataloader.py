@@ -73,9 +73,6 @@ class LoaderAdapter(Epochs):
         self._iterating = 0  # the epoch of the iteration under way (or the next, or the one resumed in)
         self._resume: int | None = None  # the epoch to resume in, after load_state_dict
         self._end_state: Any = None  # the loader's state after its last iteration ended
-        #: ``worker_slots=True`` over a factory: every loader it returns must have workers to collate into
-        #: the slots (checked each epoch, as the prefetcher checks a loader it is given at construction).
-        self.needs_workers = False
 
     @property
     def is_factory(self) -> bool:
@@ -142,8 +139,8 @@ class LoaderAdapter(Epochs):
             self._one_shot = False  # said once
         self._iterated = True
         loader = self._factory() if self._factory is not None else self.source
-        if self.needs_workers and not has_workers(_workers_of(loader)):
-            raise ValueError(no_workers_message(loader, from_factory=True))
+        if arena is not None and arena.required and not has_workers(_workers_of(loader)):
+            raise ValueError(no_workers_message(loader, from_factory=self._factory is not None))
         self._end_state = None
         if self._factory is not None or self.not_resumable is not None:  # (no state to take: one generator)
             return _batches(loader, arena)
