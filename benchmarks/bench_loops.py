@@ -1,7 +1,7 @@
 """Realistic training loops, each fed every way users feed a GPU, every peer and gpufeed in one run.
 
-Run it on the GPU machine, in one process (on an H200, mlp and token take about 5 minutes, cnn and
-resnet about 8: run them in two calls of at most 10 minutes)::
+Run it on the GPU machine, in one process (on an H200, each step takes about 3 to 5.5 minutes with every
+feed: mlp 270 s, token 175 s, cnn 290 s, resnet 330 s; results are saved after each feed)::
 
     python3 benchmarks/bench_loops.py --out benchmarks/results   # loops-<card>.{json,md,png}
     python3 benchmarks/bench_loops.py --steps mlp,token --feeds 'dl2-*' --methods to,gpufeed
@@ -624,8 +624,9 @@ def _window(runner: Runner, trainer: Trainer, data: StepData, cfg: Config) -> tu
 # -- the run -----------------------------------------------------------------------------------------------
 
 
-def run_step(spec: StepSpec, cfg: Config, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """The ideal, then every selected feed; the step's rows."""
+def run_step(spec: StepSpec, cfg: Config, log: Callable[[str], None]) -> Iterator[list[dict[str, Any]]]:
+    """The ideal, then every selected feed; yields the step's rows so far after each feed (the same list,
+    grown), so that a run cut short by a time limit keeps the feeds it finished."""
     trainer = Trainer(spec, cfg.device)
     data = StepData(spec, cfg)  # before any worker forks
     ideal = measure_ideal(trainer, data, cfg)
@@ -644,13 +645,13 @@ def run_step(spec: StepSpec, cfg: Config, log: Callable[[str], None]) -> list[di
         rows += feed_rows
         if name == "list-pinned":
             data.drop_pinned()
-    for row in rows[1:]:  # (against every window of the ideal)
-        _ratios(row, ideal["steps_per_s"])
+        for row in rows[1:]:  # (against every window of the ideal so far)
+            _ratios(row, ideal["steps_per_s"])
+        yield rows
     log(f"{spec.name}: ideal over the whole run {ideal['steps_per_s']:.1f} steps/s "
         f"(min {ideal['min']:.1f}, max {ideal['max']:.1f})")
     del trainer, data
     free_host_cache()
-    return rows
 
 
 def _ratios(row: dict[str, Any], ideal: float) -> None:
@@ -680,7 +681,8 @@ def compare(rows: list[dict[str, Any]]) -> None:
                 r["best_peer_of_ideal"] = best["of_ideal"]
 
 
-def run(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
+def run(cfg: Config, log: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+    """Every selected step; yields the results document after each feed, the whole run's last."""
     if cfg.cuda:
         torch.backends.cudnn.benchmark = True
     specs = step_specs(cfg.smoke)
@@ -694,13 +696,23 @@ def run(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
             notes.append("resnet skipped: torchvision is not importable here")
             log(notes[-1])
             continue
+        done = list(rows)  # the earlier steps' rows
         try:
-            rows += run_step(specs[name], cfg, log)
+            for step_rows in run_step(specs[name], cfg, log):
+                rows = done + step_rows
+                yield _document(cfg, specs, rows, notes, time.perf_counter() - t0)
         except Exception as exc:  # keep the other steps of a scarce GPU run; the notes say what failed
             traceback.print_exc()
             notes.append(f"{name} failed: {type(exc).__name__}: {exc}")
             free_host_cache()
         log(f"{name} done at {time.perf_counter() - t0:.0f} s")
+    yield _document(cfg, specs, rows, notes, time.perf_counter() - t0)
+
+
+def _document(cfg: Config, specs: dict[str, StepSpec], rows: list[dict[str, Any]], notes: list[str],
+              seconds: float) -> dict[str, Any]:
+    """The results document of ``rows``: the run's settings, the rows compared, the targets checked."""
+    rows = [dict(r) for r in rows]  # (compare adds keys: a row still growing its ideal is compared anew)
     compare(rows)
     doc = {**run_info(cfg.device, cfg.smoke),
            "config": {"steps": list(cfg.steps), "feeds": list(cfg.feeds), "methods": list(cfg.methods),
@@ -708,7 +720,7 @@ def run(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
                       "warmup": cfg.warmup, "pool_bytes": cfg.pool_bytes, "slow_cap": SLOW_CAP,
                       "max_steps": MAX_STEPS,
                       "what": {n: specs[n].what for n in cfg.steps}},
-           "seconds": time.perf_counter() - t0, "notes": notes, "rows": rows}
+           "seconds": seconds, "notes": list(notes), "rows": rows}
     doc["targets"] = check_targets(rows, max(cfg.workers))
     return doc
 
@@ -865,9 +877,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"training-loop benchmark on {cfg.device} ({card_name(cfg.device)}), torch {torch.__version__}: "
         f"steps {','.join(cfg.steps)}, feeds {','.join(cfg.feeds)}, methods {','.join(cfg.methods)}, "
         f"{cfg.rounds} rounds of {cfg.seconds:g} s")
-    doc = run(cfg, log)
-    md = markdown(doc)
-    stem = save_results(cfg.out, "loops", doc, md)
+    for doc in run(cfg, log):  # (saved after each feed: a run cut short keeps what it measured)
+        md = markdown(doc)
+        stem = save_results(cfg.out, "loops", doc, md)
     plot(doc, stem.with_suffix(".png"))
     print(f"\n{md}\nwrote {stem}.json, .md and .png", flush=True)
     return 0

@@ -2,11 +2,12 @@
 # Everything that needs the GPU machine: the cuda-marked tests, then every benchmark.
 # Usage there (after the .devwhl prepare line):  bash benchmarks/run_gpu.sh "$OUT/r" --pack [part]
 # part: "a" (tests, prefetcher, grid, CLI), "b" (sources, tabpfn, resnet), "l" (the training loops' small steps,
-# mlp and token, and the verdict's cases), "m" (the loops' cnn and resnet steps), "t" (the trainers: bench_trainers.py, and
-# on 2 GPUs where there are 2, examples/accelerate_launch.py --check and bench_trainers.py's accelerate rows per
-# process; needs pip install -e '.[integrations]' lightning), "u" (the loops benchmark's steps in those trainers)
-# or "r" (the reliability report, whose page
-# docs/reliability.md is copied into the folder); "ab" when left out. A part may take past 600 s: run the steps of one in separate calls then.
+# mlp and token), "m" and "n" (the loops' cnn step, its resnet step), "v" (the verdict's cases), "t" (the trainers:
+# bench_trainers.py, and on 2 GPUs where there are 2, examples/accelerate_launch.py --check and bench_trainers.py's
+# accelerate rows per process; needs pip install -e '.[integrations]' lightning), "u" (the loops benchmark's steps in
+# those trainers) or "r" (the reliability report, whose page docs/reliability.md is copied into the folder); "ab" when
+# left out. A part may take past 600 s: run the steps of one in separate calls then. bench_loops saves its results after
+# each feed, so a step cut short by its time limit keeps the feeds it finished.
 set -u
 out=${1:-benchmarks/results}
 part=${3:-ab}
@@ -46,15 +47,25 @@ if [[ $part == *u* ]]; then  # (the loops benchmark's steps in accelerate, Light
     > "$out/bench-trainers-loops.log" 2>&1
   tail -30 "$out/bench-trainers-loops.log"
 fi
-if [[ $part == *l* ]]; then  # (windows of 0.6 s: about 5 minutes)
-  timeout 330 python3 benchmarks/bench_loops.py --steps mlp,token --out "$out" > "$out/bench-loops-small.log" 2>&1
-  tail -12 "$out/bench-loops-small.log"
+if [[ $part == *l* ]]; then  # (mlp about 270 s, token about 175 s on an H200: each step saves in a folder of its own)
+  for step in mlp token; do
+    timeout 290 python3 benchmarks/bench_loops.py --steps $step --out "$out/loops-$step" \
+      > "$out/bench-loops-$step.log" 2>&1
+    grep -A3 '^| target' "$out/loops-$step"/loops-*.md
+  done
+fi
+if [[ $part == *m* ]]; then  # (cnn about 290 s, resnet about 330 s: one call each, "m" and "n")
+  timeout 560 python3 benchmarks/bench_loops.py --steps cnn --out "$out/loops-cnn" > "$out/bench-loops-cnn.log" 2>&1
+  grep -A3 '^| target' "$out/loops-cnn"/loops-*.md
+fi
+if [[ $part == *n* ]]; then
+  timeout 560 python3 benchmarks/bench_loops.py --steps resnet --out "$out/loops-resnet" \
+    > "$out/bench-loops-resnet.log" 2>&1
+  grep -A4 '^| target' "$out/loops-resnet"/loops-*.md
+fi
+if [[ $part == *v* ]]; then
   timeout 200 python3 benchmarks/bench_verdict.py --out "$out" > "$out/bench-verdict.log" 2>&1
   tail -8 "$out/bench-verdict.log"
-fi
-if [[ $part == *m* ]]; then  # (about 8 minutes; the JSON of part "l" is overwritten: keep it aside first)
-  timeout 560 python3 benchmarks/bench_loops.py --steps cnn,resnet --out "$out" > "$out/bench-loops-large.log" 2>&1
-  tail -12 "$out/bench-loops-large.log"
 fi
 if [[ $part == *r* ]]; then
   timeout 200 python3 tests/reliability/report.py --runs 1 > "$out/reliability-report.log" 2>&1
