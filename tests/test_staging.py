@@ -137,8 +137,25 @@ def test_a_packed_buffer_holds_at_most_pack_bytes():
     assert all(n <= PACK_BYTES for n in allocations.values())
 
 
+@pytest.mark.parametrize("chunk_bytes", [4096, 1 << 20])
+def test_send_delivers_what_prepare_delivers_and_packs_the_same_way(chunk_bytes):
+    """``send`` (the loop's stream: copies issued at once) and ``prepare`` + jobs (the copy stream) give the
+    same tensors, packed into the same blocks; a tensor alone is copied with one call, a tensor larger
+    than a chunk in chunks."""
+    leaves = [*_leaves(), torch.arange(PACK_LEAF_BYTES // 4 + 1, dtype=torch.int32),
+              torch.randint(0, 256, (3 * 4096 + 5,), dtype=torch.uint8)]
+    prepared, blocks = stage(Stager(chunk_bytes, pin=False), leaves)
+    sent = Stager(chunk_bytes, pin=False).send(leaves, torch.device("cpu"))
+    sent_blocks = {m.untyped_storage().data_ptr() for m in sent if m.numel()}
+    assert len(sent_blocks) == len(blocks)
+    for t, p, s in zip(leaves, prepared, sent, strict=True):
+        assert torch.equal(s, t) and torch.equal(p, t), t.shape
+        assert s.dtype == t.dtype and s.shape == t.shape and s.is_contiguous()
+        assert s.numel() == 0 or s.data_ptr() != t.data_ptr()
+
+
 def test_staging_falls_back_to_pageable_memory_once_pinning_fails_and_says_so_once():
-    """The device stage's one fallback: a staging run that cannot pin turns pinning off,
+    """The device stage's one fallback for both streams: a staging run that cannot pin turns pinning off,
     warns once and runs again from pageable memory; only pinned staging counts as staged bytes."""
     from gpufeed._device import DeviceStage
     from gpufeed.host_memory import PinnedUnavailable

@@ -128,23 +128,23 @@ class DeviceStage:
         leaves, rebuild = flatten(hb.batch)
         device = self.device
         out: list[Any] = list(leaves)
-        moved: list[int] = []  # the leaves to copy: host tensors, and tensors on another CUDA device
+        pinned: list[int] = []
+        pageable: list[int] = []
         nbytes = 0
         for i, t in enumerate(leaves):
             if not isinstance(t, torch.Tensor):  # a batch type that moves itself: on the loop's stream, in
                 out[i] = _to(t, device)  # its order, as torch's pin-memory loop and `.to()` would
-            elif not t.is_cuda or t.device != device:  # (is_cuda first: .device makes a new object a call;
-                nbytes += t.nbytes  # a tensor already there, read by a source to the device, stays)
-                moved.append(i)
+            elif not t.is_cuda:  # (is_cuda first: a tensor's .device makes a new object at every call)
+                nbytes += t.nbytes
+                (pinned if t.is_pinned() else pageable).append(i)
+            elif t.device != device:  # (a tensor already there, read by a source to the device, stays)
+                nbytes += t.nbytes
+                pinned.append(i)
         self.stats.bytes += nbytes
         self._count += 1
         consumer = self.streams.current()
         if self.costs.on_loop_stream(nbytes, self._count):
-            return self._on_loop_stream(hb, leaves, rebuild, out, moved, consumer)
-        pinned: list[int] = []
-        pageable: list[int] = []
-        for i in moved:
-            (pinned if leaves[i].is_cuda or leaves[i].is_pinned() else pageable).append(i)
+            return self._on_loop_stream(hb, leaves, rebuild, out, pinned, pageable, consumer)
         copies = []
         for i in pinned:
             t = leaves[i]
@@ -175,14 +175,17 @@ class DeviceStage:
         return functools.partial(self._staged, functools.partial(_run_all, jobs), host)
 
     def _on_loop_stream(self, hb: HostBatch, leaves: list[Any], rebuild: Any, out: list[Any],
-                        moved: list[int], consumer: Any) -> DeviceBatch:
+                        pinned: list[int], pageable: list[int], consumer: Any) -> DeviceBatch:
         """Copy on the loop's own stream, in its order, as ``.to(non_blocking=True)`` in the loop: nothing to
-        fence, nothing to wait for at the hand-over. A pageable leaf is copied as it is: the driver stages
-        it through pinned memory of its own before the call returns (its memory is free then), one call a
-        leaf, and syncs with the loop's stream only where a blocking ``.to()`` would."""
+        fence, nothing to wait for at the hand-over."""
         device = self.device
-        for i in moved:
+        for i in pinned:
             out[i] = leaves[i].to(device, non_blocking=True)
+        if pageable:
+            host = [leaves[i] for i in pageable]
+            sent = self._staged(functools.partial(self.stager.send, host, device), host)
+            for i, t in zip(pageable, sent, strict=True):
+                out[i] = t
         batch = rebuild(out)
         if self.transform is not None:
             with _nvtx.range("gpufeed.transform"):

@@ -4,10 +4,11 @@ A batch's small pageable tensors are packed into one pinned block of torch's cac
 cross the link in one copy, into one device block they are views of; a tensor larger than a chunk is
 pinned and sent chunk by chunk, so chunk ``i + 1`` fills while chunk ``i`` crosses the link.
 
-Staging is two steps, so that the device stage can fence the copies once for the whole batch:
-:meth:`Stager.prepare` allocates the device tensors (on the current stream, the consumer's) and returns
-the jobs that fill pinned memory and issue the copies, which the device stage runs on its copy stream.
-(On the loop's own stream a pageable tensor is copied as it is: the driver stages it.)
+On the copy stream staging is two steps, so that the device stage can fence the copies once for the
+whole batch: :meth:`Stager.prepare` allocates the device tensors (on the current stream, the consumer's)
+and returns the jobs that fill pinned memory and issue the copies, which the device stage runs on its copy
+stream. On the loop's own stream it is one: :meth:`Stager.send` pins and copies at once, in the loop's
+order.
 Pinned blocks are written again only after the copy that read them completed: torch's caching host
 allocator records an event on a block at every ``non_blocking`` copy from it.
 """
@@ -80,6 +81,24 @@ class Stager:
         outs: list[Any] = [None] * len(tensors)
         jobs = [self._job(group, tensors, outs, device) for group in self._groups(tensors)]
         return outs, [job for job in jobs if job is not None]
+
+    def send(self, tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """The device copies of ``tensors``, issued now on the current stream: a tensor of its own as
+        pinned, then ``.to(device, non_blocking=True)`` (one call that allocates and copies, as a loop
+        without gpufeed does), small ones packed as :meth:`prepare` packs them.
+
+        Raises :class:`~gpufeed.host_memory.PinnedUnavailable` where pinned memory cannot be had.
+        """
+        outs: list[Any] = [None] * len(tensors)
+        for group in self._groups(tensors):
+            t = tensors[group[0]]
+            if len(group) == 1 and 0 < t.nbytes <= self.chunk_bytes:
+                outs[group[0]] = self._pinned(t.contiguous()).to(device, non_blocking=True)
+                continue
+            job = self._job(group, tensors, outs, device)  # (packed, or sent chunk by chunk, as prepare's)
+            if job is not None:
+                job()
+        return outs
 
     def _job(self, group: list[int], tensors: list[torch.Tensor], outs: list[Any],
              device: torch.device) -> Job | None:
