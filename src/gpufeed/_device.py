@@ -177,7 +177,9 @@ class DeviceStage:
     def _on_loop_stream(self, hb: HostBatch, leaves: list[Any], rebuild: Any, out: list[Any],
                         pinned: list[int], pageable: list[int], consumer: Any) -> DeviceBatch:
         """Copy on the loop's own stream, in its order, as ``.to(non_blocking=True)`` in the loop: nothing to
-        fence, nothing to wait for at the hand-over."""
+        fence, nothing to wait for at the hand-over. A pageable leaf is pinned first (``Stager.send``): a
+        copy from pageable memory waits for the loop's stream to drain, as a blocking ``.to()`` does, so the
+        loop could no longer run ahead of the GPU (docs/design.md, "Staging pageable tensors")."""
         device = self.device
         for i in pinned:
             out[i] = leaves[i].to(device, non_blocking=True)

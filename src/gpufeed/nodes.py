@@ -32,13 +32,13 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
             ...
 
     It is the device stage of :class:`~gpufeed.CudaPrefetcher`, staged and copied the same way: each
-    ``next()`` takes one batch from ``source_node``, issues its copies (pinning what is not pinned, on a
-    copy stream of its own for the stage's life; a batch whose copy costs less than that stream's calls,
-    on your stream as ``.to(non_blocking=True)`` would), and hands over the batch taken ``depth`` calls
-    before, whose copy overlapped your steps meanwhile. A pinned batch (after ``PinMemory``) is copied as
-    it is, never pinned again. The stage has no thread: ``source_node.next()`` runs on your thread, so end the
-    upstream with a stage that works on threads of its own (``Prefetcher``, ``PinMemory``,
-    ``ParallelMapper``) when it does more than hand batches on.
+    ``next()`` takes one batch from ``source_node``, issues its copies (pinning what is not pinned, on a copy
+    stream of its own for the stage's life; a batch whose copy costs less than that stream's calls, on your
+    stream as pinning, then ``.to(non_blocking=True)``, would), and hands over the batch taken ``depth`` calls
+    before, whose copy overlapped your steps meanwhile. A pinned batch (after ``PinMemory``) is copied as it
+    is, never pinned again. The stage has no thread: ``source_node.next()`` runs on your thread, so end the
+    upstream with a stage that works on threads of its own (``Prefetcher``, ``PinMemory``, ``ParallelMapper``)
+    when it does more than hand batches on.
 
     ``Loader(...).state_dict()`` holds the upstream's state right after the last batch handed to you:
     resuming from it re-reads the batches that were in flight. ``reset()`` (every new epoch of the

@@ -36,17 +36,16 @@ class CudaPrefetcher:
             loss = model(batch["x"]).loss(batch["y"])   # batch["x"] is already on the GPU
 
     Wraps any iterable (a DataLoader, a list, a callable that returns a fresh iterable each epoch), or a
-    :class:`~gpufeed.SourceLoader`, which reads a :class:`~gpufeed.BatchSource` straight into pinned
-    buffers. ``depth`` batches are kept copied ahead of the loop: each ``next()`` takes one batch from the
-    loader, issues its copies on a dedicated copy stream (pinning what is not pinned; a small batch, whose
-    copy costs less than that stream's calls, on the loop's stream as ``.to(non_blocking=True)`` would),
-    and hands over the batch copied ``depth`` calls earlier, whose copy overlapped the loop's steps
-    meanwhile. Everything slow runs where it runs without gpufeed: a DataLoader's workers collate (into
-    pinned shared memory, ``worker_slots``), a SourceLoader's threads read; the loop's thread only issues
-    copies. Re-iterate it for each epoch; ``len``, ``set_epoch`` and ``state_dict`` behave as a
-    DataLoader's. ``pf.stats`` (a :class:`~gpufeed.PrefetchStats`) says whether the GPU waited for data,
-    and what to do. Without CUDA (or with ``device="cpu"``) the same class runs on the CPU, without
-    streams.
+    :class:`~gpufeed.SourceLoader`, which reads a :class:`~gpufeed.BatchSource` straight into pinned buffers.
+    ``depth`` batches are kept copied ahead of the loop: each ``next()`` takes one batch from the loader,
+    issues its copies on a dedicated copy stream (pinning what is not pinned; a small batch, whose copy costs
+    less than that stream's calls, on the loop's stream as pinning, then ``.to(non_blocking=True)``, would),
+    and hands over the batch copied ``depth`` calls earlier, whose copy overlapped the loop's steps meanwhile.
+    Everything slow runs where it runs without gpufeed: a DataLoader's workers collate (into pinned shared
+    memory, ``worker_slots``), a SourceLoader's threads read; the loop's thread only issues copies. Re-iterate
+    it for each epoch; ``len``, ``set_epoch`` and ``state_dict`` behave as a DataLoader's. ``pf.stats`` (a
+    :class:`~gpufeed.PrefetchStats`) says whether the GPU waited for data, and what to do. Without CUDA (or
+    with ``device="cpu"``) the same class runs on the CPU, without streams.
 
     Example:
         >>> loader = [{"x": torch.arange(4)}, {"x": torch.arange(4, 8)}]
