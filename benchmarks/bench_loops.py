@@ -33,7 +33,8 @@ What it measures: training steps per second (forward, loss, backward, Adam) afte
   (``PinMemory`` -> ``Prefetcher``, then ``.to(non_blocking=True)`` after the ``Loader``), ``nodes_to``
   (``Prefetcher``, then ``.to()``) and ``todevice`` (``Prefetcher`` -> gpufeed's ``ToDevice``: collation
   stays off the loop's thread, as in the other two), one ``Loader`` per (step, feed) iterated again every
-  round.
+  round; beside them ``pin_todevice`` (``PinMemory`` -> ``Prefetcher`` -> ``ToDevice``: the pinning on
+  ``PinMemory``'s thread, not the loop's), shown but neither a peer nor gpufeed's row.
 
 Timing: the ideal's windows last ``--seconds`` (at least the step's minimum of steps, 20; ResNet's 6); its
 median rate sizes every other window: an epoch of ``warm-up + N`` batches, ``N = --seconds x ideal rate``
@@ -90,10 +91,12 @@ from gpufeed import CudaPrefetcher
 MiB = 1 << 20
 STEPS = ("mlp", "token", "cnn", "resnet")
 METHODS = ("to", "pin_nb", "dl_pin_nb", "torchtnt", "spdl", "nodes_to", "nodes_pin_nb", "gpufeed", "todevice",
-           "ideal")
+           "pin_todevice", "ideal")
 PEERS = ("to", "pin_nb", "dl_pin_nb", "torchtnt", "spdl", "nodes_to", "nodes_pin_nb")
 GPUFEED = ("gpufeed", "todevice")  # gpufeed's row of a feed: CudaPrefetcher, or ToDevice in a nodes pipeline
-NODES_METHODS = ("nodes_to", "nodes_pin_nb", "todevice")  # the methods of the nodes feeds (and only theirs)
+# the methods of the nodes feeds (and only theirs); pin_todevice (PinMemory before ToDevice) is shown beside
+# them, neither a peer nor gpufeed's row
+NODES_METHODS = ("nodes_to", "nodes_pin_nb", "todevice", "pin_todevice")
 _END = object()
 SLOW_CAP = 2.0  # a window is cut after this many --seconds (a method under half the ideal's rate)
 MAX_STEPS = 2000  # timed steps an epoch at most
@@ -480,10 +483,10 @@ def nodes_loader(method: str, head: Any, device: torch.device) -> Any:
     ``ToDevice`` behind the same ``Prefetcher``."""
     from torchdata import nodes
 
-    if method == "nodes_pin_nb" and device.type == "cuda":  # (PinMemory needs CUDA)
+    if method in ("nodes_pin_nb", "pin_todevice") and device.type == "cuda":  # (PinMemory needs CUDA)
         head = nodes.PinMemory(head)
     node = nodes.Prefetcher(head, prefetch_factor=2)
-    if method == "todevice":
+    if method in ("todevice", "pin_todevice"):
         from gpufeed.nodes import ToDevice
 
         node = ToDevice(node, device=device)
