@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU machine: the cuda-marked tests, then every benchmark.
 # Usage there (after the .devwhl prepare line):  bash benchmarks/run_gpu.sh "$OUT/r" --pack [part]
-# part: "a" (tests, prefetcher, grid, CLI), "b" (sources, tabpfn, resnet), "l" (the training loops' small steps,
-# mlp and token), "m" and "n" (the loops' cnn step, its resnet step), "v" (the verdict's cases), "t" (the trainers:
-# bench_trainers.py, and on 2 GPUs where there are 2, examples/accelerate_launch.py --check and bench_trainers.py's
-# accelerate rows per process; needs pip install -e '.[integrations]' lightning), "u" (the loops benchmark's steps in
-# those trainers) or "r" (the reliability report, whose page docs/reliability.md is copied into the folder); "ab" when
-# left out. A part may take past 600 s: run the steps of one in separate calls then. bench_loops saves its results after
-# each feed, so a step cut short by its time limit keeps the feeds it finished.
+# part: "a" (the CUDA tests, the grid), "c" (the prefetcher benchmark, gpufeed bench), "b" (sources, tabpfn,
+# resnet), "l" (the training loops' small steps, mlp and token), "m" and "n" (the loops' cnn step, its resnet
+# step), "v" (the verdict's cases), "t" (the trainers: bench_trainers.py, and on 2 GPUs where there are 2,
+# examples/accelerate_launch.py --check and bench_trainers.py's accelerate rows per process; needs
+# pip install -e '.[integrations]' lightning), "u" (the loops benchmark's steps in those trainers) or "r" (the
+# reliability report, whose page docs/reliability.md is copied into the folder); "ab" when left out. Parts
+# "a", "c", "l", "m", "n" and "v" each fit one call of 600 s on an H200; run the steps of the others in calls of
+# their own. bench_loops saves its results after each feed: a step cut short by its time limit keeps what it ran.
 set -u
 out=${1:-benchmarks/results}
 part=${3:-ab}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-if [[ $part == *a* ]]; then
+if [[ $part == *a* ]]; then  # (the CUDA tests about 130 s, the grid about 275 s on an H200)
   timeout 240 python3 -m pytest -m cuda tests -q -p no:cacheprovider -rs 2>&1 | tee "$out/cuda-tests.log" | tail -4
-  timeout 240 python3 benchmarks/bench_prefetcher.py --out "$out" > "$out/bench-prefetcher.log" 2>&1
-  tail -12 "$out/bench-prefetcher.log"
   timeout 340 python3 benchmarks/bench_grid.py --out "$out" > "$out/bench-grid.log" 2>&1
   tail -6 "$out/bench-grid.log"
+fi
+if [[ $part == *c* ]]; then
+  timeout 240 python3 benchmarks/bench_prefetcher.py --out "$out" > "$out/bench-prefetcher.log" 2>&1
+  tail -12 "$out/bench-prefetcher.log"
   (cd /tmp && timeout 120 python3 -m gpufeed.cli bench --trace --out "$out/cli-bench" > "$out/cli-bench.log" 2>&1)
   tail -9 "$out/cli-bench.log"
 fi
@@ -47,15 +50,16 @@ if [[ $part == *u* ]]; then  # (the loops benchmark's steps in accelerate, Light
     > "$out/bench-trainers-loops.log" 2>&1
   tail -30 "$out/bench-trainers-loops.log"
 fi
-if [[ $part == *l* ]]; then  # (mlp about 270 s, token about 175 s on an H200: each step saves in a folder of its own)
+if [[ $part == *l* ]]; then  # (mlp about 290 s, token about 200 s on an H200; each step in a folder of its own)
   for step in mlp token; do
-    timeout 290 python3 benchmarks/bench_loops.py --steps $step --out "$out/loops-$step" \
+    timeout 300 python3 benchmarks/bench_loops.py --steps $step --out "$out/loops-$step" \
       > "$out/bench-loops-$step.log" 2>&1
     grep -A3 '^| target' "$out/loops-$step"/loops-*.md
   done
 fi
 if [[ $part == *m* ]]; then  # (cnn about 290 s, resnet about 330 s: one call each, "m" and "n")
-  timeout 560 python3 benchmarks/bench_loops.py --steps cnn --out "$out/loops-cnn" > "$out/bench-loops-cnn.log" 2>&1
+  timeout 560 python3 benchmarks/bench_loops.py --steps cnn --out "$out/loops-cnn" \
+    > "$out/bench-loops-cnn.log" 2>&1
   grep -A3 '^| target' "$out/loops-cnn"/loops-*.md
 fi
 if [[ $part == *n* ]]; then
