@@ -34,7 +34,8 @@ What it measures: training steps per second (forward, loss, backward, Adam) afte
   (``Prefetcher``, then ``.to()``) and ``todevice`` (``Prefetcher`` -> gpufeed's ``ToDevice``: collation
   stays off the loop's thread, as in the other two), one ``Loader`` per (step, feed) iterated again every
   round; beside them ``pin_todevice`` (``PinMemory`` -> ``Prefetcher`` -> ``ToDevice``: the pinning on
-  ``PinMemory``'s thread, not the loop's), shown but neither a peer nor gpufeed's row.
+  ``PinMemory``'s thread, not the loop's) and ``todevice_pc`` (``ToDevice``, the batches collated by
+  ``gpufeed.nodes.pinned_collate`` straight into pinned memory), shown but neither a peer nor gpufeed's row.
 
 Timing: the ideal's windows last ``--seconds`` (at least the step's minimum of steps, 20; ResNet's 6); its
 median rate sizes every other window: an epoch of ``warm-up + N`` batches, ``N = --seconds x ideal rate``
@@ -91,12 +92,12 @@ from gpufeed import CudaPrefetcher
 MiB = 1 << 20
 STEPS = ("mlp", "token", "cnn", "resnet")
 METHODS = ("to", "pin_nb", "dl_pin_nb", "torchtnt", "spdl", "nodes_to", "nodes_pin_nb", "gpufeed", "todevice",
-           "pin_todevice", "ideal")
+           "pin_todevice", "todevice_pc", "ideal")
 PEERS = ("to", "pin_nb", "dl_pin_nb", "torchtnt", "spdl", "nodes_to", "nodes_pin_nb")
 GPUFEED = ("gpufeed", "todevice")  # gpufeed's row of a feed: CudaPrefetcher, or ToDevice in a nodes pipeline
-# the methods of the nodes feeds (and only theirs); pin_todevice (PinMemory before ToDevice) is shown beside
-# them, neither a peer nor gpufeed's row
-NODES_METHODS = ("nodes_to", "nodes_pin_nb", "todevice", "pin_todevice")
+# the methods of the nodes feeds (and only theirs); pin_todevice (PinMemory before ToDevice) and todevice_pc
+# (ToDevice, batches collated by gpufeed's pinned_collate) are shown beside them: not peers, not gpufeed's row
+NODES_METHODS = ("nodes_to", "nodes_pin_nb", "todevice", "pin_todevice", "todevice_pc")
 _END = object()
 SLOW_CAP = 2.0  # a window is cut after this many --seconds (a method under half the ideal's rate)
 MAX_STEPS = 2000  # timed steps an epoch at most
@@ -403,20 +404,20 @@ def feed_table(workers: tuple[int, ...]) -> dict[str, Feed]:
     return feeds
 
 
-def nodes_head(data: StepData, workers: int) -> Callable[[], Any]:
+def nodes_head(data: StepData, workers: int) -> Callable[..., Any]:
     """A function making the head of a torchdata nodes pipeline over the step's data set: its shuffled
-    indices -> ``ParallelMapper`` (``workers`` threads fetch the samples) -> ``Batcher`` -> collate. Each
-    method ends it its own way (``Runner``)."""
+    indices -> ``ParallelMapper`` (``workers`` threads fetch the samples) -> ``Batcher`` -> collate (by the
+    function it is given, ``default_collate`` when none). Each method ends it its own way (``Runner``)."""
     from torchdata import nodes
 
     dataset = data.dataset()
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
 
-    def head() -> Any:
+    def head(collate: Callable[[Any], Any] = default_collate) -> Any:
         node = nodes.ParallelMapper(nodes.IterableWrapper(order), dataset.__getitem__, num_workers=workers,
                                     method="thread")
         node = nodes.Batcher(node, batch_size=data.spec.batch, drop_last=True)
-        return nodes.Mapper(node, default_collate)
+        return nodes.Mapper(node, collate)
 
     return head
 
@@ -444,7 +445,7 @@ class Runner:
         elif method == "spdl":
             self.keep = SpdlTransfer(source, device, pin=True)
         elif method in NODES_METHODS:
-            self.keep = nodes_loader(method, source(), device)
+            self.keep = nodes_loader(method, source, device)
 
     def epoch(self) -> Iterator[Any]:
         dev, src, cuda = self.device, self.source, self.device.type == "cuda"
@@ -477,16 +478,19 @@ class Runner:
             self.keep.close()
 
 
-def nodes_loader(method: str, head: Any, device: torch.device) -> Any:
+def nodes_loader(method: str, make_head: Callable[..., Any], device: torch.device) -> Any:
     """The ``Loader`` of a nodes method: the pipeline's head ended as torchdata's docs end one (a
     ``Prefetcher`` last, after ``PinMemory`` where the loop copies with ``non_blocking``), or by
     ``ToDevice`` behind the same ``Prefetcher``."""
     from torchdata import nodes
 
+    from gpufeed.nodes import pinned_collate
+
+    head = make_head(pinned_collate) if method == "todevice_pc" else make_head()
     if method in ("nodes_pin_nb", "pin_todevice") and device.type == "cuda":  # (PinMemory needs CUDA)
         head = nodes.PinMemory(head)
     node = nodes.Prefetcher(head, prefetch_factor=2)
-    if method in ("todevice", "pin_todevice"):
+    if method in ("todevice", "pin_todevice", "todevice_pc"):
         from gpufeed.nodes import ToDevice
 
         node = ToDevice(node, device=device)

@@ -139,8 +139,8 @@ def test_bench_loops_smoke(tmp_path: Path) -> None:
         for feed in feeds:
             methods = {r["method"] for r in rows if r["feed"] == feed}
             pin_nb = "dl_pin_nb" if "-pin1-" in feed else "pin_nb"
-            want = ({"nodes_to", "nodes_pin_nb", "todevice", "pin_todevice"} if feed.startswith("nodes")
-                    else {"to", pin_nb, "torchtnt", "spdl", "gpufeed"})
+            nodes = {"nodes_to", "nodes_pin_nb", "todevice", "pin_todevice", "todevice_pc"}
+            want = nodes if feed.startswith("nodes") else {"to", pin_nb, "torchtnt", "spdl", "gpufeed"}
             assert methods == want, (step, feed, methods)
         gf = [r for r in rows if r["method"] in ("gpufeed", "todevice")]
         assert all(r["best_peer"] in ("to", "pin_nb", "dl_pin_nb", "torchtnt", "spdl", "nodes_to",

@@ -306,6 +306,27 @@ def test_to_device_after_pin_memory_does_not_pin_twice(monkeypatch):
 
 
 @pytest.mark.cuda
+def test_batches_collated_by_pinned_collate_are_not_pinned_again(monkeypatch):
+    from gpufeed.nodes import pinned_collate
+
+    def head(collate):
+        node = tn.Batcher(tn.IterableWrapper(range(64)), 16)  # 256 KiB a batch: copied, not packed
+        return tn.Prefetcher(tn.Mapper(node, lambda ix: collate([{"x": torch.full((4096,), float(i))}
+                                                                  for i in ix])), prefetch_factor=2)
+
+    node = ToDevice(head(pinned_collate), device="cuda")
+    calls = _count_pins(monkeypatch)
+    got = [b["x"][:, 0].cpu() for b in tn.Loader(node)]
+    assert torch.equal(torch.cat(got), torch.arange(64.0))
+    assert calls["pin"] == 0 and calls["pin_memory"] == 0 and calls["pinned_empty"] == 4  # (the collate's)
+    assert node.stats.staged_bytes == 0 and node.stats.bytes == 64 * 4096 * 4
+    # The control: default_collate's pageable batches are pinned on the way.
+    pageable = ToDevice(head(torch.utils.data.default_collate), device="cuda")
+    list(tn.Loader(pageable))
+    assert pageable.stats.staged_bytes > 0
+
+
+@pytest.mark.cuda
 def test_batches_arrive_on_the_loop_stream_in_order_under_a_slow_consumer():
     stream = torch.cuda.Stream()
     loader = tn.Loader(ToDevice(pipeline(40, 4), device="cuda", depth=3))

@@ -1,4 +1,5 @@
-"""ToDevice: gpufeed's device stage as a torchdata ``nodes`` stage (``pip install 'gpufeed[nodes]'``)."""
+"""ToDevice: gpufeed's device stage as a torchdata ``nodes`` stage (``pip install 'gpufeed[nodes]'``); and
+``pinned_collate``, ``default_collate`` into pinned memory for the ``Mapper`` that collates its batches."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from gpufeed._device import DeviceBatch, DeviceStage, resolve_device
 from gpufeed._extras import require
 from gpufeed._threads import Failure
 from gpufeed.host_memory import HostBatch
+from gpufeed.host_memory.pinned_collate import pinned_collate
 from gpufeed.stats import PrefetchStats
 
 _nodes = require("torchdata.nodes", "gpufeed.nodes (ToDevice)")
 
-__all__ = ["ToDevice"]
+__all__ = ["ToDevice", "pinned_collate"]
 
 
 class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
@@ -35,10 +37,10 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
     ``next()`` takes one batch from ``source_node``, issues its copies (pinning what is not pinned, on a copy
     stream of its own for the stage's life; a batch whose copy costs less than that stream's calls, on your
     stream as pinning, then ``.to(non_blocking=True)``, would), and hands over the batch taken ``depth`` calls
-    before, whose copy overlapped your steps meanwhile. A pinned batch (after ``PinMemory``) is copied as it
-    is, never pinned again. The stage has no thread: ``source_node.next()`` runs on your thread, so end the
-    upstream with a stage that works on threads of its own (``Prefetcher``, ``PinMemory``, ``ParallelMapper``)
-    when it does more than hand batches on.
+    before, whose copy overlapped your steps meanwhile. A pinned batch (after ``PinMemory``, or collated by
+    :func:`pinned_collate`) is copied as it is, never pinned again. The stage has no thread:
+    ``source_node.next()`` runs on your thread, so end the upstream with a stage that works on threads of its
+    own (``Prefetcher``, ``PinMemory``, ``ParallelMapper``) when it does more than hand batches on.
 
     ``Loader(...).state_dict()`` holds the upstream's state right after the last batch handed to you:
     resuming from it re-reads the batches that were in flight. ``reset()`` (every new epoch of the

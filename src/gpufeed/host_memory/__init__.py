@@ -8,6 +8,8 @@ This package is the only place gpufeed pins memory:
 * :class:`~gpufeed.host_memory.pinned_pool.PinnedPool`: the bounded buffers a ``SourceLoader`` reads into;
 * :class:`~gpufeed.host_memory.worker_arena.WorkerArena`: shared memory a DataLoader's workers collate
   into, registered with CUDA once;
+* :func:`~gpufeed.host_memory.pinned_collate.pinned_collate`: ``default_collate`` stacking into blocks of
+  torch's caching host allocator, for a pipeline that collates in the main process;
 * :class:`~gpufeed.host_memory.cpu_buffers.CpuBuffers`: reused pageable tensors for batches read on the CPU.
 
 A host batch carries a *lease*: a function the device stage calls with the event of the copy that read

@@ -36,6 +36,7 @@ from gpufeed._staging import aligned
 from gpufeed._threads import Stopped
 from gpufeed._tree import Rebuild, flatten
 from gpufeed.host_memory import Lease, register, unregister
+from gpufeed.host_memory.pinned_collate import plain, stackable
 
 #: A new slot's size is the batch's bytes rounded up to a whole number of these, so that batches a little
 #: larger (a ragged last sample, a longer sequence) still fit it.
@@ -121,7 +122,7 @@ class SlotCollate:
         for t in leaves:
             offsets.append(total)
             total += aligned(t.nbytes)
-        fits = all(isinstance(t, _Stack) or _plain(t) for t in leaves)
+        fits = all(isinstance(t, _Stack) or plain(t) for t in leaves)
         sid = self._take(info.id, total) if fits and total else None
         if sid is None:  # the batch as the loader's collate_fn makes it
             return rebuild([t.stacked() if isinstance(t, _Stack) else t for t in leaves])
@@ -200,21 +201,12 @@ class _Stack:
 
 def _stack_later(made: list[_Stack], batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> Any:
     """``default_collate``'s rule for tensors, the stack put off (``_Stack``, noted in ``made``) where it
-    cannot fail: plain tensors of one shape and dtype, with bytes, none requiring grad. Any other batch is
-    collated now, so an error is raised where ``default_collate`` raises it."""
-    elem = batch[0]
-    if _plain(elem) and elem.nbytes and all(_plain(t) and t.shape == elem.shape and t.dtype == elem.dtype
-                                            and not t.requires_grad for t in batch):
+    cannot fail (``stackable``). Any other batch is collated now, so an error is raised where
+    ``default_collate`` raises it."""
+    if stackable(batch):
         made.append(_Stack(batch))
         return made[-1]
     return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
-
-
-def _plain(t: torch.Tensor) -> bool:
-    """A tensor a slot can hold: a plain strided CPU tensor (a subclass, such as torchvision's ``tv_tensors``,
-    would come back as a plain tensor, and a nested tensor has no single shape)."""
-    return (type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided
-            and not t.is_quantized and not t.is_nested)
 
 
 class WorkerArena:

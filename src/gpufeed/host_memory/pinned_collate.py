@@ -1,0 +1,95 @@
+"""``default_collate`` into pinned memory: :func:`pinned_collate`, for pipelines that collate in the main
+process (a torchdata ``nodes`` pipeline's ``Mapper``).
+
+``default_collate`` stacks each field's samples into a new pageable tensor; pinning that batch before its
+copy to the GPU then copies every byte again, with torch's parallel copy, on whichever thread pins it.
+Stacked straight into a block of torch's caching host allocator, the batch is pinned with no copy of its
+own: the stack ``default_collate`` makes anyway writes the pinned block (docs/design.md, "Threads beside
+the loop"). A block is handed out again only once the ``non_blocking`` copy that read it completed (torch
+records an event on it at every such copy).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch.utils.data import get_worker_info
+from torch.utils.data._utils.collate import (
+    collate,
+    collate_tensor_fn,
+    default_collate,
+    default_collate_fn_map,
+)
+
+from gpufeed import host_memory
+
+__all__ = ["pinned_collate", "plain", "stackable"]
+
+
+def pinned_collate(samples: Any) -> Any:
+    """``default_collate(samples)``, its stacked tensors already in pinned memory.
+
+    The same batch as ``default_collate`` (structure, dtypes, values), and the same errors where it raises.
+    Where pinning cannot be had it is ``default_collate``: without CUDA, inside a DataLoader worker (which
+    collates into shared memory, and must not touch CUDA), or after a pinned allocation failed (said once,
+    as a ``RuntimeWarning``). Fields ``default_collate`` does not stack (numbers, strings, tensors of
+    different shapes) come out as it makes them.
+
+    Example:
+        >>> batch = pinned_collate([{"x": torch.ones(2), "y": 0}, {"x": torch.zeros(2), "y": 1}])
+        >>> batch["x"].tolist(), batch["y"].tolist()
+        ([[1.0, 1.0], [0.0, 0.0]], [0, 1])
+    """
+    if not _can_pin():
+        return default_collate(samples)
+    return collate(samples, collate_fn_map={**default_collate_fn_map, torch.Tensor: _stack_pinned})
+
+
+def stackable(batch: list[torch.Tensor]) -> bool:
+    """Whether ``default_collate`` would stack ``batch`` with nothing to fail: plain strided CPU tensors of
+    one shape and dtype, with bytes, none requiring grad (:func:`plain`: a subclass, such as torchvision's
+    ``tv_tensors``, would come back a plain tensor, and a nested tensor has no single shape)."""
+    elem = batch[0]
+    return bool(plain(elem) and elem.nbytes) and all(
+        plain(t) and t.shape == elem.shape and t.dtype == elem.dtype and not t.requires_grad for t in batch)
+
+
+def plain(t: torch.Tensor) -> bool:
+    """A plain strided CPU tensor: one whose bytes memory of gpufeed's can hold as they are."""
+    return (type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided
+            and not t.is_quantized and not t.is_nested)
+
+
+def _stack_pinned(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+    """``default_collate``'s rule for tensors, stacking into a pinned block where ``stackable``."""
+    if not stackable(batch) or not _can_pin():
+        return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+    elem = batch[0]
+    try:
+        block = host_memory.pinned_empty(len(batch) * elem.nbytes)
+    except host_memory.PinnedUnavailable as exc:
+        _pinning_failed(str(exc))
+        return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+    out = block.view(elem.dtype).view(len(batch), *elem.shape)
+    return torch.stack(batch, 0, out=out)
+
+
+_failed = False  # a pinned allocation failed in this process: collate as default_collate from then on
+
+
+def _can_pin() -> bool:
+    return not _failed and get_worker_info() is None and _cuda_available()
+
+
+@functools.cache
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _pinning_failed(reason: str) -> None:
+    global _failed
+    if not _failed:
+        _failed = True
+        host_memory.warn_pageable(reason)

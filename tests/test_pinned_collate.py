@@ -1,0 +1,120 @@
+"""gpufeed.host_memory.pinned_collate: default_collate's batch, stacked into pinned blocks where it can be."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+from gpufeed import host_memory
+from gpufeed.host_memory import pinned_collate as pc
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return type(b) is torch.Tensor and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return type(a) is type(b) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+def samples(n: int = 5) -> list:
+    g = torch.Generator().manual_seed(0)
+    return [{"x": torch.randn(3, 4, generator=g), "y": i, "name": f"s{i}", "w": np.full(2, i, np.int16),
+             "pair": (torch.tensor([i, -i], dtype=torch.int64), torch.ones(0)),
+             "mask": torch.rand(5, generator=g) > 0.5, "h": torch.randn(2, generator=g).to(torch.bfloat16)}
+            for i in range(n)]
+
+
+@pytest.fixture
+def fake_pinning(monkeypatch):
+    """Pinning stood in for on the CPU: every block pinned_collate asks for, counted by its bytes."""
+    blocks: list[torch.Tensor] = []
+
+    def pinned_empty(nbytes: int) -> torch.Tensor:
+        blocks.append(torch.empty(nbytes, dtype=torch.uint8))
+        return blocks[-1]
+
+    monkeypatch.setattr(pc, "_cuda_available", lambda: True)
+    monkeypatch.setattr(pc, "_failed", False)
+    monkeypatch.setattr(host_memory, "pinned_empty", pinned_empty)
+    return blocks
+
+
+def test_without_cuda_it_is_default_collate():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: pinned_collate pins here")
+    batch = samples()
+    assert same(pc.pinned_collate(batch), default_collate(batch))
+
+
+def test_each_stacked_field_is_written_into_a_block_of_its_own(fake_pinning):
+    batch = samples()
+    got = pc.pinned_collate(batch)
+    assert same(got, default_collate(batch))
+    # x, the pair's first tensor, mask and h are stacked into blocks; the empty tensors, numbers, strings and
+    # numpy arrays (made tensors one by one, then stacked) are collated as default_collate collates them
+    stacked = {"x": got["x"], "pair0": got["pair"][0], "mask": got["mask"], "h": got["h"], "w": got["w"]}
+    assert sorted(b.nbytes for b in fake_pinning) == sorted(t.nbytes for t in stacked.values())
+    ptrs = {b.data_ptr() for b in fake_pinning}
+    assert all(t.data_ptr() in ptrs for t in stacked.values())
+
+
+def test_tensors_it_cannot_stack_raise_as_default_collate_raises(fake_pinning):
+    batch = [torch.zeros(3), torch.zeros(4)]
+    with pytest.raises(RuntimeError) as want:
+        default_collate(batch)
+    with pytest.raises(RuntimeError) as got:
+        pc.pinned_collate(batch)
+    assert str(got.value) == str(want.value)
+    assert fake_pinning == []
+    mixed = [torch.zeros(3), torch.zeros(3, dtype=torch.int32)]  # default_collate stacks with type promotion
+    assert same(pc.pinned_collate(mixed), default_collate(mixed)) and fake_pinning == []
+
+
+def test_a_failed_pinned_allocation_warns_once_then_collates_as_default_collate(monkeypatch):
+    calls = []
+
+    def refused(nbytes: int) -> torch.Tensor:
+        calls.append(nbytes)
+        raise host_memory.PinnedUnavailable("pinned allocation failed: refused")
+
+    monkeypatch.setattr(pc, "_cuda_available", lambda: True)
+    monkeypatch.setattr(pc, "_failed", False)
+    monkeypatch.setattr(host_memory, "pinned_empty", refused)
+    batch = samples()
+    with pytest.warns(RuntimeWarning, match="pinned memory is unavailable"):
+        first = pc.pinned_collate(batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = pc.pinned_collate(batch)
+    assert same(first, default_collate(batch)) and same(second, default_collate(batch))
+    assert len(calls) == 1  # (the first field's block, refused; nothing asked for after)
+
+
+def test_a_dataloader_worker_collates_into_shared_memory_not_pinned_memory(monkeypatch):
+    # A worker must not touch CUDA: pinning there is an error that would reach the loop through the worker.
+    def forbidden(nbytes: int) -> torch.Tensor:
+        raise AssertionError("pinned_collate pinned inside a DataLoader worker")
+
+    monkeypatch.setattr(pc, "_cuda_available", lambda: True)
+    monkeypatch.setattr(pc, "_failed", False)
+    monkeypatch.setattr(host_memory, "pinned_empty", forbidden)
+    data = [{"x": torch.full((4,), float(i)), "y": i} for i in range(8)]
+    got = list(DataLoader(data, batch_size=4, num_workers=1, collate_fn=pc.pinned_collate,
+                          multiprocessing_context="fork"))
+    assert same(got, list(DataLoader(data, batch_size=4)))
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_stacked_fields_are_pinned():
+    batch = samples()
+    got = pc.pinned_collate(batch)
+    assert same(got, default_collate(batch))
+    assert got["x"].is_pinned() and got["pair"][0].is_pinned() and got["mask"].is_pinned()
+    assert not got["pair"][1].is_pinned()  # (an empty tensor: stacked by default_collate)
