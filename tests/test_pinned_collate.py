@@ -27,7 +27,9 @@ def samples(n: int = 5) -> list:
     g = torch.Generator().manual_seed(0)
     return [{"x": torch.randn(3, 4, generator=g), "y": i, "name": f"s{i}", "w": np.full(2, i, np.int16),
              "pair": (torch.tensor([i, -i], dtype=torch.int64), torch.ones(0)),
-             "mask": torch.rand(5, generator=g) > 0.5, "h": torch.randn(2, generator=g).to(torch.bfloat16)}
+             "mask": torch.rand(5, generator=g) > 0.5, "h": torch.randn(2, generator=g).to(torch.bfloat16),
+             "grad": torch.randn(3, generator=g).requires_grad_(), "scalar": torch.tensor(float(i)),
+             "z": torch.randn(2, generator=g, dtype=torch.complex64), "t": torch.randn(4, 3, generator=g).t()}
             for i in range(n)]
 
 
@@ -57,9 +59,11 @@ def test_each_stacked_field_is_written_into_a_block_of_its_own(fake_pinning):
     batch = samples()
     got = pc.pinned_collate(batch)
     assert same(got, default_collate(batch))
-    # x, the pair's first tensor, mask and h are stacked into blocks; the empty tensors, numbers, strings and
-    # numpy arrays (made tensors one by one, then stacked) are collated as default_collate collates them
-    stacked = {"x": got["x"], "pair0": got["pair"][0], "mask": got["mask"], "h": got["h"], "w": got["w"]}
+    # the plain tensors and numpy arrays (made tensors one by one) are stacked into blocks; the empty ones,
+    # those that require grad, numbers and strings are collated as default_collate collates them
+    stacked = {"x": got["x"], "pair0": got["pair"][0], "mask": got["mask"], "h": got["h"], "w": got["w"],
+               "scalar": got["scalar"], "z": got["z"], "t": got["t"]}
+    assert got["grad"].requires_grad and not got["pair"][1].numel()
     assert sorted(b.nbytes for b in fake_pinning) == sorted(t.nbytes for t in stacked.values())
     ptrs = {b.data_ptr() for b in fake_pinning}
     assert all(t.data_ptr() in ptrs for t in stacked.values())

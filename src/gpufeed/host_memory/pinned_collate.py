@@ -31,11 +31,14 @@ __all__ = ["pinned_collate", "plain", "stackable"]
 def pinned_collate(samples: Any) -> Any:
     """``default_collate(samples)``, its stacked tensors already in pinned memory.
 
-    The same batch as ``default_collate`` (structure, dtypes, values), and the same errors where it raises.
-    Where pinning cannot be had it is ``default_collate``: without CUDA, inside a DataLoader worker (which
-    collates into shared memory, and must not touch CUDA), or after a pinned allocation failed (said once,
-    as a ``RuntimeWarning``). Fields ``default_collate`` does not stack (numbers, strings, tensors of
-    different shapes) come out as it makes them.
+    The same batch as ``default_collate`` (structure, dtypes, values), and the same errors where it raises;
+    a stacked tensor is contiguous (as ``default_collate`` makes it in a DataLoader worker: in the main
+    process it keeps a ``channels_last`` layout of its samples). Where pinning cannot be had it is
+    ``default_collate``: without CUDA, inside a DataLoader worker (which collates into shared memory, and
+    must not touch CUDA) or a child forked after CUDA was initialised, or after a pinned allocation failed
+    (said once, as a ``RuntimeWarning``). Use it where the main process collates: in a process worker the
+    pinning would be lost on the way to the main process. Fields ``default_collate`` does not stack
+    (numbers, strings, tensors of different shapes, tensors that require grad) come out as it makes them.
 
     Example:
         >>> batch = pinned_collate([{"x": torch.ones(2), "y": 0}, {"x": torch.zeros(2), "y": 1}])
@@ -80,7 +83,10 @@ _failed = False  # a pinned allocation failed in this process: collate as defaul
 
 
 def _can_pin() -> bool:
-    return not _failed and get_worker_info() is None and _cuda_available()
+    """Not after a failed allocation, nor in a DataLoader worker, nor without CUDA, nor in a child forked
+    after CUDA was initialised (a torchdata ``ParallelMapper``'s process worker), where CUDA cannot run."""
+    return (not _failed and get_worker_info() is None and _cuda_available()
+            and not torch.cuda._is_in_bad_fork())
 
 
 @functools.cache
