@@ -66,8 +66,10 @@ def plain(t: torch.Tensor) -> bool:
 
 
 def _stack_pinned(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
-    """``default_collate``'s rule for tensors, stacking into a pinned block where ``stackable``."""
-    if not stackable(batch) or not _can_pin():
+    """``default_collate``'s rule for tensors, stacking into a pinned block where ``stackable``. (Whether
+    this process can pin at all is asked once a batch, by ``pinned_collate``; only a failed allocation, in
+    an earlier field, changes it within one.)"""
+    if _failed or not stackable(batch):
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     elem = batch[0]
     try:
