@@ -30,12 +30,13 @@ What it measures: training steps per second (forward, loss, backward, Adam) afte
   iterated again every round as across epochs) and ``ideal`` (feed ``resident``: one batch already in
   VRAM, reused; always measured: first in each step, then a window in every round of every feed). The
   ``nodes`` feeds run their own methods, each ending the pipeline as torchdata's docs do: ``nodes_pin_nb``
-  (``PinMemory`` -> ``Prefetcher``, then ``.to(non_blocking=True)`` after the ``Loader``), ``nodes_to``
-  (``Prefetcher``, then ``.to()``) and ``todevice`` (``Prefetcher`` -> gpufeed's ``ToDevice``: collation
-  stays off the loop's thread, as in the other two), one ``Loader`` per (step, feed) iterated again every
-  round; beside them ``pin_todevice`` (``PinMemory`` -> ``Prefetcher`` -> ``ToDevice``: the pinning on
-  ``PinMemory``'s thread, not the loop's) and ``todevice_pc`` (``ToDevice``, the batches collated by
-  ``gpufeed.nodes.pinned_collate`` straight into pinned memory), shown but neither a peer nor gpufeed's row.
+  (``PinMemory`` -> ``Prefetcher``, then ``.to(non_blocking=True)`` after the ``Loader``) and ``nodes_to``
+  (``Prefetcher``, then ``.to()``); gpufeed's row is ``todevice_pc``, docs/nodes.md's recipe (the batches
+  collated by ``gpufeed.nodes.pinned_collate`` straight into pinned memory -> ``Prefetcher`` -> gpufeed's
+  ``ToDevice``: collation stays off the loop's thread, as in the other two), one ``Loader`` per (step,
+  feed) iterated again every round; beside them ``todevice`` (the same over ``default_collate``: ``ToDevice``
+  pins on the loop's thread) and ``pin_todevice`` (``PinMemory`` -> ``Prefetcher`` -> ``ToDevice``: the
+  pinning on ``PinMemory``'s thread), shown but neither a peer nor gpufeed's row.
 
 Timing: the ideal's windows last ``--seconds`` (at least the step's minimum of steps, 20; ResNet's 6); its
 median rate sizes every other window: an epoch of ``warm-up + N`` batches, ``N = --seconds x ideal rate``
@@ -50,7 +51,7 @@ token step's list feeds once read 1.3x an ideal measured only at the start). Wit
 gpufeed runs its CPU path and the peers' streams degrade to plain loops.
 
 Results: ``loops-<card>.json`` (``rows``: step, feed, method, steps_per_s, min, max, ...), ``.md`` (a table
-per step, then the targets: gpufeed (``todevice`` in the nodes feeds) >= 0.98x the best peer in every
+per step, then the targets: gpufeed (``todevice_pc`` in the nodes feeds) >= 0.98x the best peer in every
 feed; >= 0.95x the ideal wherever a peer reaches 0.9x of it; ResNet >= 0.97x the ideal with 8 workers)
 and ``.png`` (each row's steps/s over the ideal's). On CUDA the ideal's row also has ``gpu_us``, the
 step's time on the GPU alone (steps queued behind a sleep kernel): set against the ideal's period, it says
@@ -94,9 +95,11 @@ STEPS = ("mlp", "token", "cnn", "resnet")
 METHODS = ("to", "pin_nb", "dl_pin_nb", "torchtnt", "spdl", "nodes_to", "nodes_pin_nb", "gpufeed", "todevice",
            "pin_todevice", "todevice_pc", "ideal")
 PEERS = ("to", "pin_nb", "dl_pin_nb", "torchtnt", "spdl", "nodes_to", "nodes_pin_nb")
-GPUFEED = ("gpufeed", "todevice")  # gpufeed's row of a feed: CudaPrefetcher, or ToDevice in a nodes pipeline
-# the methods of the nodes feeds (and only theirs); pin_todevice (PinMemory before ToDevice) and todevice_pc
-# (ToDevice, batches collated by gpufeed's pinned_collate) are shown beside them: not peers, not gpufeed's row
+# gpufeed's row of a feed: CudaPrefetcher, or in a nodes pipeline docs/nodes.md's recipe (ToDevice over
+# batches collated by pinned_collate)
+GPUFEED = ("gpufeed", "todevice_pc")
+# the methods of the nodes feeds (and only theirs); todevice (ToDevice over default_collate) and pin_todevice
+# (PinMemory before ToDevice) are shown beside them: not peers, not gpufeed's row
 NODES_METHODS = ("nodes_to", "nodes_pin_nb", "todevice", "pin_todevice", "todevice_pc")
 _END = object()
 SLOW_CAP = 2.0  # a window is cut after this many --seconds (a method under half the ideal's rate)
@@ -850,7 +853,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(max(1, len(steps)), 1, figsize=(13, 3.4 * max(1, len(steps))), squeeze=False)
     series = {"to / nodes_to": ("to", "nodes_to"),
               "pin_nb / dl_pin_nb / nodes_pin_nb": ("pin_nb", "dl_pin_nb", "nodes_pin_nb"),
-              "torchtnt": ("torchtnt",), "spdl": ("spdl",), "gpufeed / todevice": ("gpufeed", "todevice")}
+              "torchtnt": ("torchtnt",), "spdl": ("spdl",),
+              "gpufeed / todevice_pc": ("gpufeed", "todevice_pc")}
     colors = ("tab:gray", "tab:blue", "tab:orange", "tab:purple", "tab:green")
     for ax, step in zip(axes[:, 0], steps, strict=False):
         rows = [r for r in doc["rows"] if r["step"] == step and r["method"] != "ideal" and "error" not in r]

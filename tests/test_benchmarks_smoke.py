@@ -142,7 +142,8 @@ def test_bench_loops_smoke(tmp_path: Path) -> None:
             nodes = {"nodes_to", "nodes_pin_nb", "todevice", "pin_todevice", "todevice_pc"}
             want = nodes if feed.startswith("nodes") else {"to", pin_nb, "torchtnt", "spdl", "gpufeed"}
             assert methods == want, (step, feed, methods)
-        gf = [r for r in rows if r["method"] in ("gpufeed", "todevice")]
+        gf = [r for r in rows if r["method"] in ("gpufeed", "todevice_pc")]  # gpufeed's row, one a feed
+        assert sorted(r["feed"] for r in gf) == sorted(feeds)
         assert all(r["best_peer"] in ("to", "pin_nb", "dl_pin_nb", "torchtnt", "spdl", "nodes_to",
                                       "nodes_pin_nb") for r in gf)
         assert all(r["vs_best_peer"] > 0 and r["of_ideal"] > 0 for r in gf)

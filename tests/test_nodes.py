@@ -327,6 +327,33 @@ def test_batches_collated_by_pinned_collate_are_not_pinned_again(monkeypatch):
 
 
 @pytest.mark.cuda
+def test_pageable_batches_are_pinned_by_one_thread_and_arrive_exact(monkeypatch):
+    """ToDevice pins pageable tensors with one thread's copy (its thread runs beside the pipeline's), never
+    torch's parallel pin_memory(), except a tensor numpy cannot read (here one requiring grad)."""
+    g = torch.Generator().manual_seed(0)
+    rows = [{"x": torch.randn(4096, generator=g), "b": torch.randn(4096, generator=g).to(torch.bfloat16),
+             "m": torch.rand(8192, generator=g) > 0.5, "i": torch.randint(-9, 9, (2, 4096), generator=g)}
+            for _ in range(64)]
+    collate = torch.utils.data.default_collate
+
+    def head():  # 16 rows a batch: each field 128-256 KiB, copied alone (not packed)
+        node = tn.Batcher(tn.IterableWrapper(range(64)), 16)
+        return tn.Mapper(node, lambda ix: collate([rows[i] for i in ix]))
+
+    node = ToDevice(head(), device="cuda")  # (made first: it measures the link once a process)
+    calls = _count_pins(monkeypatch)
+    got = list(tn.Loader(node))
+    assert same([{k: v.cpu() for k, v in b.items()} for b in got], list(tn.Loader(head())))
+    assert all(v.is_cuda for b in got for v in b.values())
+    assert calls["pin"] == calls["pin_memory"] == 0 and calls["pinned_empty"] >= 4 * 4
+    assert node.stats.staged_bytes == node.stats.bytes > 0
+    grad = ToDevice(tn.Mapper(head(), lambda b: {**b, "x": b["x"].requires_grad_()}), device="cuda")
+    got = [b["x"].detach().cpu() for b in tn.Loader(grad)]
+    assert torch.equal(torch.cat(got), torch.stack([r["x"] for r in rows]))
+    assert calls["pin"] == 4  # (one a batch: the field that requires grad)
+
+
+@pytest.mark.cuda
 def test_batches_arrive_on_the_loop_stream_in_order_under_a_slow_consumer():
     stream = torch.cuda.Stream()
     loader = tn.Loader(ToDevice(pipeline(40, 4), device="cuda", depth=3))

@@ -154,6 +154,30 @@ def test_send_delivers_what_prepare_delivers_and_packs_the_same_way(chunk_bytes)
         assert s.numel() == 0 or s.data_ptr() != t.data_ptr()
 
 
+def test_one_thread_pinning_copies_every_byte_and_leaves_what_numpy_cannot_read_to_torch(monkeypatch):
+    """``parallel=False`` (``ToDevice``'s stage) pins by one thread's copy (``host_memory.pin_one_thread``):
+    every byte of every dtype arrives, by either stream's path; a tensor numpy cannot read (requiring grad,
+    with a conjugate bit) is pinned by torch. On the CPU the "pinned" block is a plain one."""
+    from gpufeed import host_memory
+
+    by_torch = []
+    monkeypatch.setattr(host_memory, "pinned_empty", lambda n: torch.empty(n, dtype=torch.uint8))
+    monkeypatch.setattr(host_memory, "pin", lambda t: by_torch.append(t) or t.clone())
+    g = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(300, 200, generator=g).to(torch.bfloat16), torch.rand(100_000, generator=g) > 0.5,
+              torch.randint(-9, 9, (3, 4000), generator=g), torch.randn(300, 100, generator=g).t(),
+              torch.randn(300, 100, generator=g).requires_grad_(),
+              torch.randn(20_000, dtype=torch.complex64, generator=g).conj(), torch.tensor(2.5)]
+    prepared, _ = stage(Stager(1 << 20, pin=True, parallel=False), leaves)
+    sent = Stager(1 << 20, pin=True, parallel=False).send(leaves, torch.device("cpu"))
+    for t, p, s in zip(leaves, prepared, sent, strict=True):
+        want = t.detach().resolve_conj()
+        for got in (p, s):
+            assert torch.equal(got.detach().resolve_conj(), want)
+            assert got.dtype == t.dtype and got.shape == t.shape
+    assert [t.requires_grad or t.is_conj() for t in by_torch] == [True] * 4  # (two tensors, by both paths)
+
+
 def test_staging_falls_back_to_pageable_memory_once_pinning_fails_and_says_so_once():
     """The device stage's one fallback for both streams: a staging run that cannot pin turns pinning off,
     warns once and runs again from pageable memory; only pinned staging counts as staged bytes."""

@@ -70,10 +70,12 @@ class DeviceStage:
       the meter's events on the consumer's stream before it waits (:class:`~gpufeed._starvation.GpuWaits`).
 
     Without CUDA the stage hands host batches over as they are (memory with a lease is copied out first).
+    With ``parallel_pin=False`` pageable tensors are pinned by one thread's copy, not torch's parallel one:
+    for a stage whose thread runs beside threads busy with torch ops (``ToDevice``'s, in a nodes pipeline).
     """
 
     def __init__(self, device: torch.device, transform: Callable[[Any], Any] | None,
-                 stats: PrefetchStats, measure: bool = True) -> None:
+                 stats: PrefetchStats, measure: bool = True, parallel_pin: bool = True) -> None:
         self.device = device
         self._pid = os.getpid()  # (a forked child inherits the stage, and must make no CUDA call)
         self.transform = transform
@@ -83,7 +85,7 @@ class DeviceStage:
             _forks.guard_every_fork()
         self.stream = copy_stream(device) if self.cuda else None
         self.streams = _Streams(device, self.stream) if self.cuda else None
-        self.stager = Stager(pin=self.cuda)
+        self.stager = Stager(pin=self.cuda, parallel=parallel_pin)
         self.pinning = self.cuda  # pageable tensors are staged through pinned memory (until it fails)
         self._fence = torch.cuda.Event() if self.cuda else None
         self.costs = _Costs(link_cost(device) if self.cuda else None)

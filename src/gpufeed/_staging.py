@@ -67,9 +67,10 @@ class Stager:
         (4498500, [1.0, 1.0])
     """
 
-    def __init__(self, chunk_bytes: int = CHUNK_BYTES, pin: bool = True) -> None:
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, pin: bool = True, parallel: bool = True) -> None:
         self.chunk_bytes = chunk_bytes
         self.pin = pin
+        self.parallel = parallel  # pin by torch's parallel copy; else by one thread's (pin_one_thread)
 
     def prepare(self, tensors: list[torch.Tensor],
                 device: torch.device) -> tuple[list[torch.Tensor], list[Job]]:
@@ -181,7 +182,9 @@ class Stager:
             dst[a : a + piece.numel()].copy_(self._pinned(piece), non_blocking=True)
 
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:
-        return host_memory.pin(t) if self.pin else t.clone()
+        if not self.pin:
+            return t.clone()
+        return host_memory.pin(t) if self.parallel else host_memory.pin_one_thread(t)
 
     def _empty(self, nbytes: int) -> torch.Tensor:
         return host_memory.pinned_empty(nbytes) if self.pin else torch.empty(nbytes, dtype=torch.uint8)

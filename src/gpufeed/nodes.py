@@ -88,7 +88,9 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
         self.depth = depth
         self.transform = transform
         self.stats = PrefetchStats(device=self.device.type, depth=depth, loader=type(source_node).__name__)
-        self._stage = DeviceStage(self.device, transform, self.stats)
+        # (its thread runs beside the pipeline's, busy with torch ops: a parallel pinning copy would wait for
+        # their cores; docs/design.md, "Threads beside the loop")
+        self._stage = DeviceStage(self.device, transform, self.stats, parallel_pin=False)
         self._ahead: collections.deque[Any] = collections.deque()
         # (collected with batches ahead, as when a Loader is dropped mid-epoch: their memory fenced too)
         weakref.finalize(self, self._stage.drop, self._ahead)

@@ -2,9 +2,9 @@
 
 This package is the only place gpufeed pins memory:
 
-* :func:`pin` and :func:`pinned_empty`: blocks of torch's caching host allocator, for staging pageable
-  tensors (a block is handed out again only once the copy that read it completed: torch records an event
-  on it at every ``non_blocking`` copy);
+* :func:`pin`, :func:`pin_one_thread` and :func:`pinned_empty`: blocks of torch's caching host allocator,
+  for staging pageable tensors (a block is handed out again only once the copy that read it completed:
+  torch records an event on it at every ``non_blocking`` copy);
 * :class:`~gpufeed.host_memory.pinned_pool.PinnedPool`: the bounded buffers a ``SourceLoader`` reads into;
 * :class:`~gpufeed.host_memory.worker_arena.WorkerArena`: shared memory a DataLoader's workers collate
   into, registered with CUDA once;
@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 #: A lease: called once with the event of the copy that read the batch (None: nothing is in flight).
@@ -48,6 +49,24 @@ def pin(t: Any) -> Any:
         return t.pin_memory()
     except RuntimeError as exc:  # cudaHostAlloc refused (locked-memory limit)
         raise PinnedUnavailable(f"pinned allocation failed: {exc}") from exc
+
+
+def pin_one_thread(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied into a pinned block of torch's caching host allocator by one thread (numpy's copy, the
+    GIL released), where :func:`pin` runs torch's parallel copy. For a thread beside others busy with torch
+    ops: a parallel copy ends only once each of its threads had a core (docs/design.md, "Threads beside the
+    loop: a parallel copy waits for cores"). A tensor numpy cannot read (not contiguous, requiring grad,
+    with a conjugate or negative bit) is pinned by :func:`pin`."""
+    if not t.is_contiguous() or t.requires_grad or t.is_conj() or t.is_neg():
+        return pin(t)
+    out = pinned_empty(t.nbytes)
+    copy_bytes(out, t)
+    return out.view(t.dtype).reshape(t.shape)
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy the bytes of the contiguous host tensor ``src`` into ``dst`` (as many bytes) on this thread."""
+    np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
 
 
 def pinned_empty(nbytes: int) -> torch.Tensor:
