@@ -3,7 +3,7 @@
     python examples/torchdata_nodes.py              # a few epochs of a small synthetic data set
     python examples/torchdata_nodes.py --smoke      # tiny, on the CPU, a few seconds
 
-The pipeline: shuffled indices -> ParallelMapper (threads read the samples) -> Batcher -> collate ->
+The pipeline: shuffled indices -> ParallelMapper (threads read the samples) -> Batcher -> pinned_collate ->
 Prefetcher (collation off the training thread) -> gpufeed's ToDevice -> Loader. The last epoch is cut
 in the middle, checkpointed with ``loader.state_dict()``, and finished by a fresh pipeline resumed from
 it, as after a preemption: every sample is seen once. Needs ``pip install 'gpufeed[nodes]'``.
@@ -15,7 +15,7 @@ import argparse
 import sys
 
 import torch
-from torch.utils.data import DistributedSampler, TensorDataset, default_collate
+from torch.utils.data import DistributedSampler, TensorDataset
 
 try:
     from torchdata import nodes
@@ -25,13 +25,13 @@ except ImportError:  # torchdata < 0.10, or none: the example says what to insta
 
 def pipeline(dataset: TensorDataset, batch_size: int, workers: int, device: torch.device, depth: int):
     """The data pipeline, as a torchdata Loader; each batch is ``[x, y, index]`` on ``device``."""
-    from gpufeed.nodes import ToDevice
+    from gpufeed.nodes import ToDevice, pinned_collate
 
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)  # set_epoch-able
     node = nodes.SamplerWrapper(sampler)  # one epoch of shuffled indices, resumable
     node = nodes.ParallelMapper(node, lambda i: (*dataset[i], i), num_workers=workers, method="thread")
     node = nodes.Batcher(node, batch_size=batch_size, drop_last=False)
-    node = nodes.Mapper(node, default_collate)
+    node = nodes.Mapper(node, pinned_collate)  # default_collate, stacked into pinned memory on CUDA
     node = nodes.Prefetcher(node, prefetch_factor=2)  # collation runs on its thread, not the loop's
     return nodes.Loader(ToDevice(node, device=device, depth=depth))
 

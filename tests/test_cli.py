@@ -422,7 +422,8 @@ def test_doctor_reports_versions_bandwidth_and_advice(capsys):
         assert any(line.startswith(f"  {module:<18} ") for line in lines), module
     assert any(line.startswith("  GDS                would") for line in lines)
     threads = torch.get_num_threads()
-    assert f"  staging copy       torch's parallel copy, {threads} threads (torch.get_num_threads())" in lines
+    copy = f"torch's parallel copy, {threads} threads (torch.get_num_threads()); ToDevice: one"
+    assert f"  staging copy       {copy}" in lines
     assert "advice:" in lines and lines[lines.index("advice:") + 1].startswith("  - ")
     if CPU_ONLY:
         assert "  CUDA               not available: device cpu" in lines

@@ -336,7 +336,7 @@ def test_pageable_batches_are_pinned_by_one_thread_and_arrive_exact(monkeypatch)
             for _ in range(64)]
     collate = torch.utils.data.default_collate
 
-    def head():  # 16 rows a batch: each field 128-256 KiB, copied alone (not packed)
+    def head():  # 16 rows a batch: each field 128 KiB - 1 MiB, copied alone (not packed)
         node = tn.Batcher(tn.IterableWrapper(range(64)), 16)
         return tn.Mapper(node, lambda ix: collate([rows[i] for i in ix]))
 

@@ -160,14 +160,25 @@ def test_one_thread_pinning_copies_every_byte_and_leaves_what_numpy_cannot_read_
     with a conjugate bit) is pinned by torch. On the CPU the "pinned" block is a plain one."""
     from gpufeed import host_memory
 
-    by_torch = []
+    by_torch, by_numpy = [], []
     monkeypatch.setattr(host_memory, "pinned_empty", lambda n: torch.empty(n, dtype=torch.uint8))
     monkeypatch.setattr(host_memory, "pin", lambda t: by_torch.append(t) or t.clone())
+    copyto = host_memory.np.copyto
+    monkeypatch.setattr(host_memory.np, "copyto",
+                        lambda dst, src: by_numpy.append(src.nbytes) or copyto(dst, src))
+
+    class Sub(torch.Tensor):
+        pass
+
     g = torch.Generator().manual_seed(0)
-    leaves = [torch.randn(300, 200, generator=g).to(torch.bfloat16), torch.rand(100_000, generator=g) > 0.5,
-              torch.randint(-9, 9, (3, 4000), generator=g), torch.randn(300, 100, generator=g).t(),
-              torch.randn(300, 100, generator=g).requires_grad_(),
-              torch.randn(20_000, dtype=torch.complex64, generator=g).conj(), torch.tensor(2.5)]
+    plain = [torch.randn(300, 200, generator=g).to(torch.bfloat16), torch.rand(100_000, generator=g) > 0.5,
+             torch.randint(-9, 9, (3, 4000), generator=g), torch.randn(300, 100, generator=g).t(),
+             torch.randint(0, 255, (3 << 20,), dtype=torch.uint8, generator=g)]  # (3 chunks of 1 MiB)
+    odd = [torch.randn(300, 100, generator=g).requires_grad_(),
+           torch.randn(300, 100, generator=g).as_subclass(Sub),
+           torch.randn(20_000, dtype=torch.complex64, generator=g).conj()]
+    plain.append(torch.tensor(2.5))  # (0-dim, small, but the only one: sent alone, not packed)
+    leaves = [*plain, *odd]
     prepared, _ = stage(Stager(1 << 20, pin=True, parallel=False), leaves)
     sent = Stager(1 << 20, pin=True, parallel=False).send(leaves, torch.device("cpu"))
     for t, p, s in zip(leaves, prepared, sent, strict=True):
@@ -175,7 +186,9 @@ def test_one_thread_pinning_copies_every_byte_and_leaves_what_numpy_cannot_read_
         for got in (p, s):
             assert torch.equal(got.detach().resolve_conj(), want)
             assert got.dtype == t.dtype and got.shape == t.shape
-    assert [t.requires_grad or t.is_conj() for t in by_torch] == [True] * 4  # (two tensors, by both paths)
+    # every byte of the plain tensors by numpy's copy, the others by torch's pin (each by both paths)
+    assert sum(by_numpy) == 2 * sum(t.nbytes for t in plain)
+    assert sorted(id(t) for t in by_torch) == sorted(id(t) for t in odd + odd)
 
 
 def test_staging_falls_back_to_pageable_memory_once_pinning_fails_and_says_so_once():

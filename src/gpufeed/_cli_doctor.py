@@ -270,7 +270,7 @@ def render(r: dict[str, Any]) -> str:
         why = native_reader()[1]
         row("shuffled reads", f"Python os.preadv loop, no memory-map gather by default ({why})")
     threads = r["staging_copy"]["threads"]
-    row("staging copy", f"torch's parallel copy, {threads} threads (torch.get_num_threads())")
+    row("staging copy", f"torch's parallel copy, {threads} threads (torch.get_num_threads()); ToDevice: one")
     row("CPUs", r["cpu_count"])
     for module, what, extra in OPTIONAL:
         v = r["packages"][module]

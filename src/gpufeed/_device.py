@@ -70,8 +70,9 @@ class DeviceStage:
       the meter's events on the consumer's stream before it waits (:class:`~gpufeed._starvation.GpuWaits`).
 
     Without CUDA the stage hands host batches over as they are (memory with a lease is copied out first).
-    With ``parallel_pin=False`` pageable tensors are pinned by one thread's copy, not torch's parallel one:
-    for a stage whose thread runs beside threads busy with torch ops (``ToDevice``'s, in a nodes pipeline).
+    With ``parallel_pin=False`` pageable tensors sent alone are pinned by one thread's copy, not torch's
+    parallel one: for a stage whose thread runs beside threads busy with torch ops (``ToDevice``'s, in a
+    nodes pipeline).
     """
 
     def __init__(self, device: torch.device, transform: Callable[[Any], Any] | None,

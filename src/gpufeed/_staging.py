@@ -70,7 +70,10 @@ class Stager:
     def __init__(self, chunk_bytes: int = CHUNK_BYTES, pin: bool = True, parallel: bool = True) -> None:
         self.chunk_bytes = chunk_bytes
         self.pin = pin
-        self.parallel = parallel  # pin by torch's parallel copy; else by one thread's (pin_one_thread)
+        # torch's parallel copy pins a tensor fastest where the cores are free; one thread's copy
+        # (host_memory.pin_one_thread) waits for no core where the pipeline's threads hold them. Packed
+        # tensors (64 KiB at most) and a non-contiguous one's .contiguous() are copied by torch either way.
+        self.parallel = parallel
 
     def prepare(self, tensors: list[torch.Tensor],
                 device: torch.device) -> tuple[list[torch.Tensor], list[Job]]:

@@ -29,16 +29,17 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
     Put it last, before the ``Loader``::
 
         node = Batcher(ParallelMapper(IterableWrapper(indices), dataset.__getitem__, num_workers=8), 256)
-        node = Prefetcher(Mapper(node, default_collate), prefetch_factor=2)  # collation off your thread
+        node = Prefetcher(Mapper(node, pinned_collate), prefetch_factor=2)  # collated into pinned memory
         for batch in Loader(ToDevice(node)):       # batch["x"] is already on the GPU
             ...
 
     It is the device stage of :class:`~gpufeed.CudaPrefetcher`, staged and copied the same way: each
-    ``next()`` takes one batch from ``source_node``, issues its copies (pinning what is not pinned, on a copy
-    stream of its own for the stage's life; a batch whose copy costs less than that stream's calls, on your
-    stream as pinning, then ``.to(non_blocking=True)``, would), and hands over the batch taken ``depth`` calls
-    before, whose copy overlapped your steps meanwhile. A pinned batch (after ``PinMemory``, or collated by
-    :func:`pinned_collate`) is copied as it is, never pinned again. The stage has no thread:
+    ``next()`` takes one batch from ``source_node``, issues its copies (on a copy stream of its own for the
+    stage's life; a batch whose copy costs less than that stream's calls, on your stream as pinning, then
+    ``.to(non_blocking=True)``, would), and hands over the batch taken ``depth`` calls before, whose copy
+    overlapped your steps meanwhile. A pinned batch (collated by :func:`pinned_collate`, or after
+    ``PinMemory``) is copied as it is; a pageable one is pinned first, on your thread, by one thread's copy
+    (torch's parallel copy would wait for the cores of the pipeline's threads). The stage has no thread:
     ``source_node.next()`` runs on your thread, so end the upstream with a stage that works on threads of its
     own (``Prefetcher``, ``PinMemory``, ``ParallelMapper``) when it does more than hand batches on.
 
