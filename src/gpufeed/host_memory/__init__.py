@@ -57,7 +57,7 @@ def pin_one_thread(t: torch.Tensor) -> torch.Tensor:
     ops: a parallel copy ends only once each of its threads had a core (docs/design.md, "Threads beside the
     loop: a parallel copy waits for cores"). What is not a plain dense tensor numpy can read as bytes (a
     subclass, quantized, nested, not contiguous, requiring grad, with a conjugate or negative bit) is
-    pinned by :func:`pin`, as it was before."""
+    pinned by :func:`pin`."""
     if (type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized or t.is_nested
             or t._is_zerotensor() or not t.is_contiguous() or t.requires_grad or t.is_conj() or t.is_neg()):
         return pin(t)
