@@ -50,8 +50,9 @@ all its windows) spans the same minutes as the rows it is compared with (on a dr
 token step's list feeds once read 1.3x an ideal measured only at the start). Without CUDA (``--smoke``)
 gpufeed runs its CPU path and the peers' streams degrade to plain loops.
 
-Results: ``loops-<card>.json`` (``rows``: step, feed, method, steps_per_s, min, max, ...), ``.md`` (a table
-per step, then the targets: gpufeed (``todevice_pc`` in the nodes feeds) >= 0.98x the best peer in every
+Results: ``loops-<card>.json`` (``rows``: step, feed, method, steps_per_s, min, max, ...; gpufeed's rows
+also ``paired``, its ratio to the fastest peer round by round, steadier where the machine drifts), ``.md`` (a
+table per step, then the targets: gpufeed (``todevice_pc`` in the nodes feeds) >= 0.98x the best peer in every
 feed; >= 0.95x the ideal wherever a peer reaches 0.9x of it; ResNet >= 0.97x the ideal with 8 workers)
 and ``.png`` (each row's steps/s over the ideal's). On CUDA the ideal's row also has ``gpu_us``, the
 step's time on the GPU alone (steps queued behind a sleep kernel): set against the ideal's period, it says
@@ -678,7 +679,9 @@ def _progress(row: dict[str, Any]) -> str:
 
 
 def compare(rows: list[dict[str, Any]]) -> None:
-    """Adds ``best_peer`` and ``vs_best_peer`` (its steps/s over the best peer's) to each gpufeed row."""
+    """Adds ``best_peer`` and ``vs_best_peer`` (its steps/s over the best peer's) to each gpufeed row, and
+    ``paired``: round by round, its window over the fastest peer window of the same round (the median,
+    min and max of those ratios), where the machine's drift between rounds cancels out."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["step"], r["feed"]), []).append(r)
@@ -689,6 +692,17 @@ def compare(rows: list[dict[str, Any]]) -> None:
             if r["method"] in GPUFEED and "error" not in r and best is not None:
                 r["best_peer"], r["vs_best_peer"] = best["method"], r["steps_per_s"] / best["steps_per_s"]
                 r["best_peer_of_ideal"] = best["of_ideal"]
+                paired = _paired(r, peers)
+                if paired:
+                    r["paired"] = {"median": statistics.median(paired), "min": min(paired),
+                                   "max": max(paired)}
+
+
+def _paired(row: dict[str, Any], peers: list[dict[str, Any]]) -> list[float]:
+    """``row``'s window over the fastest peer's, round by round (the rounds every one of them ran)."""
+    rounds = [r.get("rounds") or [] for r in (row, *peers)]
+    n = min(len(x) for x in rounds)
+    return [rounds[0][k] / max(x[k] for x in rounds[1:]) for k in range(n)]
 
 
 def run(cfg: Config, log: Callable[[str], None]) -> Iterator[dict[str, Any]]:
@@ -822,15 +836,18 @@ def _step_table(step: str, what: str, rows: list[dict[str, Any]]) -> list[str]:
              f"(min {ideal['min']:.1f}, max {ideal['max']:.1f}); epochs of {ideal['epoch_batches']} "
              f"batches.{_busy(ideal)}", "",
              "| feed | " + " | ".join(methods)
-             + " | best peer | gpufeed/best peer | gpufeed/ideal | best peer/ideal |",
-             "| --- | " + " | ".join("---:" for _ in methods) + " | --- | ---: | ---: | ---: |"]
+             + " | best peer | gpufeed/best peer | paired by round (range) | gpufeed/ideal"
+             " | best peer/ideal |",
+             "| --- | " + " | ".join("---:" for _ in methods) + " | --- | ---: | ---: | ---: | ---: |"]
     for feed in dict.fromkeys(r["feed"] for r in rows if r["method"] != "ideal"):
         by = {r["method"]: r for r in rows if r["feed"] == feed}
         cells = ["err" if "error" in by.get(m, {}) else _f(by.get(m, {}).get("steps_per_s"), ".1f")
                  for m in methods]
         gf = next((by[m] for m in GPUFEED if m in by), {})
+        pair = gf.get("paired")
+        paired = (f"{pair['median']:.3f} ({pair['min']:.3f}-{pair['max']:.3f})" if pair else "-")
         lines.append(f"| {feed} | " + " | ".join(cells) + f" | {gf.get('best_peer', '-')} | "
-                     f"{_f(gf.get('vs_best_peer'), '.3f')} | {_f(gf.get('of_ideal'), '.3f')} | "
+                     f"{_f(gf.get('vs_best_peer'), '.3f')} | {paired} | {_f(gf.get('of_ideal'), '.3f')} | "
                      f"{_f(gf.get('best_peer_of_ideal'), '.3f')} |")
     lines += ["", "The loop thread's time in `next()` a step, us (median of the rounds):", "",
               "| feed | " + " | ".join(methods) + " |",

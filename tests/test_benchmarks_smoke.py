@@ -147,6 +147,7 @@ def test_bench_loops_smoke(tmp_path: Path) -> None:
         assert all(r["best_peer"] in ("to", "pin_nb", "dl_pin_nb", "torchtnt", "spdl", "nodes_to",
                                       "nodes_pin_nb") for r in gf)
         assert all(r["vs_best_peer"] > 0 and r["of_ideal"] > 0 for r in gf)
+        assert all(0 < r["paired"]["min"] <= r["paired"]["median"] <= r["paired"]["max"] for r in gf)
     assert doc["targets"] and all({"target", "value", "met"} <= t.keys() for t in doc["targets"])
 
 
