@@ -14,7 +14,8 @@ map-style dataset of random float32 rows (``--batch`` rows a batch: 8 MiB at the
 DataLoader workers. Each row: a fresh loader and trainer, ``--warmup`` untimed steps (the workers start
 there), then ``--steps`` timed ones, the device synchronized before the clock starts and stops;
 ``--rounds`` rounds, a trainer's methods interleaved, and the row reports the median steps/s with the min
-and max.
+and max, its ratio to the trainer's own row (``vs_own``, of the medians), and that ratio round by round
+(``vs_own_paired``: median, min, max), where the machine's drift between rounds cancels out.
 
 Rows (trainer / method):
 
@@ -496,7 +497,7 @@ def run_trainer(trainer: str, cfg: Config, work: Work) -> list[dict[str, Any]]:
         if method in errors:
             row["error"] = errors[method]
         else:
-            row.update(steps_per_s=statistics.median(got), min=min(got), max=max(got))
+            row.update(steps_per_s=statistics.median(got), min=min(got), max=max(got), rounds=got)
         rows.append(row)
     return rows
 
@@ -508,11 +509,14 @@ def run(cfg: Config) -> dict[str, Any]:
             for row in run_trainer(trainer, cfg, work):
                 rows.append(row)
                 print(_progress(row), flush=True)
-    own = {(r["loop"], r["trainer"]): r["steps_per_s"] for r in rows
-           if r["method"] == "own" and "error" not in r}
+    own = {(r["loop"], r["trainer"]): r for r in rows if r["method"] == "own" and "error" not in r}
     for r in rows:
-        if "error" not in r and (r["loop"], r["trainer"]) in own:
-            r["vs_own"] = r["steps_per_s"] / own[r["loop"], r["trainer"]]
+        mine = own.get((r["loop"], r["trainer"]))
+        if "error" not in r and mine is not None:
+            r["vs_own"] = r["steps_per_s"] / mine["steps_per_s"]
+            # round by round against the own row's window of the same round: the drift between rounds cancels
+            paired = [a / b for a, b in zip(r["rounds"], mine["rounds"], strict=False)]
+            r["vs_own_paired"] = {"median": statistics.median(paired), "min": min(paired), "max": max(paired)}
     return {
         **run_info(cfg.device, cfg.smoke),
         "config": {"features": cfg.features, "hidden": cfg.hidden, "batch": cfg.batch, "image": cfg.image,
@@ -553,7 +557,8 @@ def markdown(doc: dict[str, Any]) -> str:
         + f"{c['workers']} workers; "
         f"{c['warmup']} warm-up + {c['steps']} timed steps, median of {c['rounds']} interleaved rounds."
         + (" Smoke run: sizes too small to mean anything." if doc["smoke"] else ""), "",
-        "| trainer | method | steps/s | min | max | vs own |", "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| trainer | method | steps/s | min | max | vs own | paired by round (range) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     if "processes" in doc:
         lines[2] += f" Under accelerate launch: {doc['processes']} processes, each timing its own shard."
@@ -562,10 +567,13 @@ def markdown(doc: dict[str, Any]) -> str:
         if doc["config"].get("loops"):
             trainer = f"{r['loop']}: {trainer}"
         if "error" in r:
-            lines.append(f"| {trainer} | {r['method']} | error: {r['error']} | | | |")
+            lines.append(f"| {trainer} | {r['method']} | error: {r['error']} | | | | |")
         else:
+            p = r.get("vs_own_paired")
+            paired = (f"{p['median']:.2f}x ({p['min']:.2f}-{p['max']:.2f})" if p and r["method"] != "own"
+                      else "")
             lines.append(f"| {trainer} | {r['method']} | {r['steps_per_s']:.2f} | {r['min']:.2f} | "
-                         f"{r['max']:.2f} | {r.get('vs_own', float('nan')):.2f}x |")
+                         f"{r['max']:.2f} | {r.get('vs_own', float('nan')):.2f}x | {paired} |")
     return "\n".join(lines) + "\n"
 
 

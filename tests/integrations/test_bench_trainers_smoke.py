@@ -36,6 +36,9 @@ def test_bench_trainers_smoke(tmp_path):
         assert "error" not in row, row
         assert {"trainer", "method", "steps_per_s", "min", "max"} <= row.keys()
         assert 0 < row["min"] <= row["steps_per_s"] <= row["max"]
+        paired = row["vs_own_paired"]  # (the own row against itself: 1 in every round)
+        assert 0 < paired["min"] <= paired["median"] <= paired["max"]
+        assert row["method"] != "own" or paired["min"] == paired["max"] == 1.0
 
 
 def test_bench_trainers_under_two_launched_processes(tmp_path):
