@@ -836,7 +836,8 @@ def _step_table(step: str, what: str, rows: list[dict[str, Any]]) -> list[str]:
              f"(min {ideal['min']:.1f}, max {ideal['max']:.1f}); epochs of {ideal['epoch_batches']} "
              f"batches.{_busy(ideal)}", "",
              "| feed | " + " | ".join(methods)
-             + " | best peer | gpufeed/best peer | paired by round (range) | gpufeed/ideal"
+             + " | best peer | gpufeed/best peer | gpufeed/fastest peer, round by round (range)"
+             " | gpufeed/ideal"
              " | best peer/ideal |",
              "| --- | " + " | ".join("---:" for _ in methods) + " | --- | ---: | ---: | ---: | ---: |"]
     for feed in dict.fromkeys(r["feed"] for r in rows if r["method"] != "ideal"):

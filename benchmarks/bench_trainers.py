@@ -129,6 +129,9 @@ def parse_args(argv: list[str] | None) -> Config:
     def pick(value: int | None, full: int, smoke: int) -> int:
         return value if value is not None else (smoke if a.smoke else full)
 
+    if a.rounds is not None and a.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {a.rounds}")
+
     return Config(device=pick_device(a.device, a.smoke), smoke=a.smoke, out=a.out, trainers=trainers,
                   features=pick(a.features, 2048, 32), hidden=pick(a.hidden, 1024, 32),
                   batch=pick(a.batch, 1024, 8),
@@ -509,14 +512,7 @@ def run(cfg: Config) -> dict[str, Any]:
             for row in run_trainer(trainer, cfg, work):
                 rows.append(row)
                 print(_progress(row), flush=True)
-    own = {(r["loop"], r["trainer"]): r for r in rows if r["method"] == "own" and "error" not in r}
-    for r in rows:
-        mine = own.get((r["loop"], r["trainer"]))
-        if "error" not in r and mine is not None:
-            r["vs_own"] = r["steps_per_s"] / mine["steps_per_s"]
-            # round by round against the own row's window of the same round: the drift between rounds cancels
-            paired = [a / b for a, b in zip(r["rounds"], mine["rounds"], strict=False)]
-            r["vs_own_paired"] = {"median": statistics.median(paired), "min": min(paired), "max": max(paired)}
+    add_vs_own(rows)
     return {
         **run_info(cfg.device, cfg.smoke),
         "config": {"features": cfg.features, "hidden": cfg.hidden, "batch": cfg.batch, "image": cfg.image,
@@ -525,6 +521,19 @@ def run(cfg: Config) -> dict[str, Any]:
         "versions": _versions(),
         "rows": rows,
     }
+
+
+def add_vs_own(rows: list[dict[str, Any]]) -> None:
+    """Each row's ratio to its trainer's own row (same loop): ``vs_own``, of the medians, and
+    ``vs_own_paired``, round by round against the own row's window of the same round, where the drift
+    between rounds cancels out (rows without an error ran every round)."""
+    own = {(r["loop"], r["trainer"]): r for r in rows if r["method"] == "own" and "error" not in r}
+    for r in rows:
+        mine = own.get((r["loop"], r["trainer"]))
+        if "error" not in r and mine is not None:
+            r["vs_own"] = r["steps_per_s"] / mine["steps_per_s"]
+            paired = [a / b for a, b in zip(r["rounds"], mine["rounds"], strict=True)]
+            r["vs_own_paired"] = {"median": statistics.median(paired), "min": min(paired), "max": max(paired)}
 
 
 def _versions() -> dict[str, str | None]:
@@ -557,7 +566,7 @@ def markdown(doc: dict[str, Any]) -> str:
         + f"{c['workers']} workers; "
         f"{c['warmup']} warm-up + {c['steps']} timed steps, median of {c['rounds']} interleaved rounds."
         + (" Smoke run: sizes too small to mean anything." if doc["smoke"] else ""), "",
-        "| trainer | method | steps/s | min | max | vs own | paired by round (range) |",
+        "| trainer | method | steps/s | min | max | vs own | vs own, round by round (range) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     if "processes" in doc:
@@ -567,7 +576,8 @@ def markdown(doc: dict[str, Any]) -> str:
         if doc["config"].get("loops"):
             trainer = f"{r['loop']}: {trainer}"
         if "error" in r:
-            lines.append(f"| {trainer} | {r['method']} | error: {r['error']} | | | | |")
+            error = r["error"].replace("|", "\\|")  # (a bar would end the cell)
+            lines.append(f"| {trainer} | {r['method']} | error: {error} | | | | |")
         else:
             p = r.get("vs_own_paired")
             paired = (f"{p['median']:.2f}x ({p['min']:.2f}-{p['max']:.2f})" if p and r["method"] != "own"

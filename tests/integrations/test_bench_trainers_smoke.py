@@ -73,3 +73,24 @@ def test_bench_trainers_smoke_trains_the_loops_steps(tmp_path):
     rows = {(r["loop"], r["trainer"], r["method"]) for r in doc["rows"] if "error" not in r}
     trainers = ("accelerate", "lightning", "lightning_dm", "hf_trainer", "torchtitan")
     assert rows == {(step, t, m) for step in ("mlp", "token") for t in trainers for m in ("own", "gpufeed")}
+
+
+def test_vs_own_paired_divides_each_round_by_the_own_row_of_that_round():
+    bench = _load()
+    def row(trainer, method, rounds):
+        median = sorted(rounds)[len(rounds) // 2]
+        return {"trainer": trainer, "loop": "l", "method": method, "steps_per_s": median, "min": min(rounds),
+                "max": max(rounds), "rounds": rounds}
+
+    rows = [row("t", "own", [10.0, 8.0, 12.0]), row("t", "gpufeed", [11.0, 12.0, 9.0]),
+            {"trainer": "t", "loop": "l", "method": "gpufeed_uint8", "error": "RuntimeError: a | b"},
+            row("u", "gpufeed", [3.0])]
+    bench.add_vs_own(rows)
+    assert rows[1]["vs_own"] == 1.1
+    assert rows[1]["vs_own_paired"] == {"median": 1.1, "min": 0.75, "max": 1.5}
+    assert "vs_own" not in rows[2] and "vs_own" not in rows[3]  # (an error; a trainer without its own row)
+    md = bench.markdown({"card": "cpu", "torch": "x", "smoke": True, "rows": rows,
+                         "config": {"workers": 0, "warmup": 1, "steps": 1, "rounds": 3, "loops": ["l"]}})
+    table = [line for line in md.splitlines() if line.startswith("| l: ")]
+    assert len({line.replace("\\|", "").count("|") for line in table}) == 1  # (every row, as many cells)
+    assert "1.10x (0.75-1.50)" in table[1]
