@@ -55,20 +55,22 @@ def pin_one_thread(t: torch.Tensor) -> torch.Tensor:
     """``t`` copied into a pinned block of torch's caching host allocator by one thread (numpy's copy, the
     GIL released), where :func:`pin` runs torch's parallel copy. For a thread beside others busy with torch
     ops: a parallel copy ends only once each of its threads had a core (docs/design.md, "Threads beside the
-    loop: a parallel copy waits for cores"). What is not a plain dense tensor numpy can read as bytes (a
-    subclass, quantized, nested, not contiguous, requiring grad, with a conjugate or negative bit) is
-    pinned by :func:`pin`."""
-    if (type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized or t.is_nested
-            or t._is_zerotensor() or not t.is_contiguous() or t.requires_grad or t.is_conj() or t.is_neg()):
+    loop: a parallel copy waits for cores"). What numpy cannot read as plain bytes (not :func:`plain`, a
+    zero tensor, not contiguous, requiring grad, with a conjugate or negative bit) is pinned by
+    :func:`pin`."""
+    if (not plain(t) or t._is_zerotensor() or not t.is_contiguous() or t.requires_grad or t.is_conj()
+            or t.is_neg()):
         return pin(t)
     out = pinned_empty(t.nbytes)
-    copy_bytes(out, t)
+    np.copyto(out.numpy(), t.reshape(-1).view(torch.uint8).numpy())
     return out.view(t.dtype).reshape(t.shape)
 
 
-def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy the bytes of the contiguous host tensor ``src`` into ``dst`` (as many bytes) on this thread."""
-    np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
+def plain(t: torch.Tensor) -> bool:
+    """A plain strided CPU tensor: one whose bytes memory of gpufeed's can hold as they are (a subclass, such
+    as torchvision's ``tv_tensors``, would come back a plain tensor; a nested one has no single shape)."""
+    return (type(t) is torch.Tensor and t.is_cpu and t.layout == torch.strided and not t.is_quantized
+            and not t.is_nested)
 
 
 def pinned_empty(nbytes: int) -> torch.Tensor:

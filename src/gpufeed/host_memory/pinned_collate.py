@@ -24,8 +24,9 @@ from torch.utils.data._utils.collate import (
 )
 
 from gpufeed import host_memory
+from gpufeed.host_memory import plain
 
-__all__ = ["pinned_collate", "plain", "stackable"]
+__all__ = ["pinned_collate", "stackable"]
 
 
 def pinned_collate(samples: Any) -> Any:
@@ -51,18 +52,17 @@ def pinned_collate(samples: Any) -> Any:
 
 
 def stackable(batch: list[torch.Tensor]) -> bool:
-    """Whether ``default_collate`` would stack ``batch`` with nothing to fail: plain strided CPU tensors of
-    one shape and dtype, with bytes, none requiring grad (:func:`plain`: a subclass, such as torchvision's
-    ``tv_tensors``, would come back a plain tensor, and a nested tensor has no single shape)."""
+    """Whether ``default_collate`` would stack ``batch`` with nothing to fail:
+    :func:`~gpufeed.host_memory.plain` tensors of one shape and dtype, with bytes, none requiring grad.
+    It runs on the collating thread for every sample, so each is checked with the cheapest attributes that
+    say as much (``is_cpu``, not ``.device``, which makes an object a call; a sample of the first one's
+    plain dtype is not quantized; ``is_nested`` before ``shape``, which a nested tensor lacks)."""
     elem = batch[0]
-    return bool(plain(elem) and elem.nbytes) and all(
-        plain(t) and t.shape == elem.shape and t.dtype == elem.dtype and not t.requires_grad for t in batch)
-
-
-def plain(t: torch.Tensor) -> bool:
-    """A plain strided CPU tensor: one whose bytes memory of gpufeed's can hold as they are."""
-    return (type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided
-            and not t.is_quantized and not t.is_nested)
+    if not (plain(elem) and elem.nbytes):
+        return False
+    tensor, strided, shape, dtype = torch.Tensor, torch.strided, elem.shape, elem.dtype
+    return all(type(t) is tensor and t.is_cpu and t.layout is strided and not t.is_nested and t.dtype is dtype
+               and t.shape == shape and not t.requires_grad for t in batch)
 
 
 def _stack_pinned(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:

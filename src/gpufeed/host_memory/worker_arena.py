@@ -35,8 +35,8 @@ from torch.utils.data._utils.collate import (
 from gpufeed._staging import aligned
 from gpufeed._threads import Stopped
 from gpufeed._tree import Rebuild, flatten
-from gpufeed.host_memory import Lease, register, unregister
-from gpufeed.host_memory.pinned_collate import plain, stackable
+from gpufeed.host_memory import Lease, plain, register, unregister
+from gpufeed.host_memory.pinned_collate import stackable
 
 #: A new slot's size is the batch's bytes rounded up to a whole number of these, so that batches a little
 #: larger (a ragged last sample, a longer sequence) still fit it.
