@@ -649,15 +649,14 @@ def run_step(spec: StepSpec, cfg: Config, log: Callable[[str], None]) -> Iterato
         t0 = time.perf_counter()
         feed_rows = run_feed(name, feed, trainer, data, cfg, ideal)
         ideal.update(summarize(ideal["rounds"]))
-        for row in feed_rows:
-            _ratios(row, ideal["steps_per_s"])
-            log(_progress(row))
-        log(f"  {spec.name} {name}: {time.perf_counter() - t0:.1f} s")
         rows += feed_rows
-        if name == "list-pinned":
-            data.drop_pinned()
         for row in rows[1:]:  # (against every window of the ideal so far)
             _ratios(row, ideal["steps_per_s"])
+        for row in feed_rows:
+            log(_progress(row))
+        log(f"  {spec.name} {name}: {time.perf_counter() - t0:.1f} s")
+        if name == "list-pinned":
+            data.drop_pinned()
         yield rows
     log(f"{spec.name}: ideal over the whole run {ideal['steps_per_s']:.1f} steps/s "
         f"(min {ideal['min']:.1f}, max {ideal['max']:.1f})")
@@ -837,8 +836,7 @@ def _step_table(step: str, what: str, rows: list[dict[str, Any]]) -> list[str]:
              f"batches.{_busy(ideal)}", "",
              "| feed | " + " | ".join(methods)
              + " | best peer | gpufeed/best peer | gpufeed/fastest peer, round by round (range)"
-             " | gpufeed/ideal"
-             " | best peer/ideal |",
+               " | gpufeed/ideal | best peer/ideal |",
              "| --- | " + " | ".join("---:" for _ in methods) + " | --- | ---: | ---: | ---: | ---: |"]
     for feed in dict.fromkeys(r["feed"] for r in rows if r["method"] != "ideal"):
         by = {r["method"]: r for r in rows if r["feed"] == feed}
