@@ -700,7 +700,7 @@ def compare(rows: list[dict[str, Any]]) -> None:
 
 
 def _paired(row: dict[str, Any], peer: dict[str, Any]) -> list[float]:
-    """``row``'s window over ``peer``'s, round by round (the rounds both ran; a row of an older run has none)."""
+    """``row``'s window over ``peer``'s, round by round (the rounds both ran; older runs kept none)."""
     return [a / b for a, b in zip(row.get("rounds") or [], peer.get("rounds") or [], strict=False)]
 
 
