@@ -7,7 +7,9 @@ import json
 import os
 import platform
 import re
+import statistics
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,6 +45,16 @@ def card_name(device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu"
     return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+
+
+def paired(row: dict[str, Any], other: dict[str, Any]) -> dict[str, float] | None:
+    """``row``'s window over ``other``'s, round by round (the rounds both ran), as its median, min and max:
+    the machine's drift between rounds cancels out. None where they share no round (a row of an older run,
+    which kept none)."""
+    ratios = [a / b for a, b in zip(row.get("rounds") or [], other.get("rounds") or [], strict=False)]
+    if not ratios:
+        return None
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
 def targets_table(targets: list[dict], digits: int = 3) -> list[str]:

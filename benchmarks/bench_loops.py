@@ -82,7 +82,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common and bench_grid, also when loaded by a test
-from _common import card_name, parser, pick_device, run_info, save_results, targets_table
+from _common import card_name, paired, parser, pick_device, run_info, save_results, targets_table
 from bench_grid import SpdlTransfer, TntPrefetcher, free_host_cache, to_device
 
 try:
@@ -693,15 +693,9 @@ def compare(rows: list[dict[str, Any]]) -> None:
             if r["method"] in GPUFEED and "error" not in r and best is not None:
                 r["best_peer"], r["vs_best_peer"] = best["method"], r["steps_per_s"] / best["steps_per_s"]
                 r["best_peer_of_ideal"] = best["of_ideal"]
-                paired = _paired(r, best)
-                if paired:
-                    r["paired"] = {"median": statistics.median(paired), "min": min(paired),
-                                   "max": max(paired)}
-
-
-def _paired(row: dict[str, Any], peer: dict[str, Any]) -> list[float]:
-    """``row``'s window over ``peer``'s, round by round (the rounds both ran; older runs kept none)."""
-    return [a / b for a, b in zip(row.get("rounds") or [], peer.get("rounds") or [], strict=False)]
+                pair = paired(r, best)
+                if pair is not None:
+                    r["paired"] = pair
 
 
 def run(cfg: Config, log: Callable[[str], None]) -> Iterator[dict[str, Any]]:

@@ -60,7 +60,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, bench_loops; also when loaded by a test
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from _common import card_name, parser, pick_device, run_info, save_results
+from _common import card_name, paired, parser, pick_device, run_info, save_results
 from bench_loops import classify
 
 from gpufeed import CudaPrefetcher
@@ -532,8 +532,7 @@ def add_vs_own(rows: list[dict[str, Any]]) -> None:
         mine = own.get((r["loop"], r["trainer"]))
         if "error" not in r and mine is not None:
             r["vs_own"] = r["steps_per_s"] / mine["steps_per_s"]
-            paired = [a / b for a, b in zip(r["rounds"], mine["rounds"], strict=True)]
-            r["vs_own_paired"] = {"median": statistics.median(paired), "min": min(paired), "max": max(paired)}
+            r["vs_own_paired"] = paired(r, mine)
 
 
 def _versions() -> dict[str, str | None]:
@@ -580,10 +579,10 @@ def markdown(doc: dict[str, Any]) -> str:
             lines.append(f"| {trainer} | {r['method']} | error: {error} | | | | |")
         else:
             p = r.get("vs_own_paired")
-            paired = (f"{p['median']:.2f}x ({p['min']:.2f}-{p['max']:.2f})" if p and r["method"] != "own"
-                      else "")
+            cell = (f"{p['median']:.2f}x ({p['min']:.2f}-{p['max']:.2f})" if p and r["method"] != "own"
+                    else "")
             lines.append(f"| {trainer} | {r['method']} | {r['steps_per_s']:.2f} | {r['min']:.2f} | "
-                         f"{r['max']:.2f} | {r.get('vs_own', float('nan')):.2f}x | {paired} |")
+                         f"{r['max']:.2f} | {r.get('vs_own', float('nan')):.2f}x | {cell} |")
     return "\n".join(lines) + "\n"
 
 
