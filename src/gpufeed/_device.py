@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from gpufeed import _forks, _nvtx, host_memory
-from gpufeed._staging import Stager
+from gpufeed._staging import PACK_LEAF_BYTES, PACK_PINNED_LEAVES, Stager
 from gpufeed._starvation import GpuWaits
 from gpufeed._tree import flatten
 from gpufeed.host_memory import HostBatch, PinnedUnavailable, warn_pageable
@@ -91,8 +91,12 @@ class DeviceStage:
         self._fence = torch.cuda.Event() if self.cuda else None
         self.costs = _Costs(link_cost(device) if self.cuda else None)
         self.meter = GpuWaits(stats) if self.cuda and measure else None
+        #: What to call when the loop asks for its next batch (its mark, ``PrefetchStats.mark``), but for an
+        #: epoch's first: the meter's ``asked`` on the loop's stream; None where nothing is measured.
+        self.asked: Callable[[tuple[float, float, float]], None] | None = None
         if self.meter is not None:  # (weak: the meter holds the stats, and no cycle may hold CUDA objects)
             stats._refresh = weakref.WeakMethod(self.meter.refresh)
+            self.asked = functools.partial(self.meter.asked, self.streams.current)
         self._timed: list[tuple[Any, Any, int]] = []  # (start, end, bytes) of sampled batches in flight
         self._count = 0
 
@@ -131,8 +135,8 @@ class DeviceStage:
         leaves, rebuild = flatten(hb.batch)
         device = self.device
         out: list[Any] = list(leaves)
-        pinned: list[int] = []
-        pageable: list[int] = []
+        pinned: list[int] = []  # leaves copied as they are (pinned, or on another device)
+        pageable: list[int] = []  # leaves staged through pinned memory (Stager)
         nbytes = 0
         for i, t in enumerate(leaves):
             if not isinstance(t, torch.Tensor):  # a batch type that moves itself: on the loop's stream, in
@@ -143,10 +147,12 @@ class DeviceStage:
             elif t.device != device:  # (a tensor already there, read by a source to the device, stays)
                 nbytes += t.nbytes
                 pinned.append(i)
+        if len(pinned) >= PACK_PINNED_LEAVES:
+            _pack_pinned(leaves, pinned, pageable)
         self.stats.bytes += nbytes
         self._count += 1
         consumer = self.streams.current()
-        if self.costs.on_loop_stream(nbytes, self._count):
+        if nbytes < self.costs.loop_bytes and self._count % RECHECK_EVERY:
             return self._on_loop_stream(hb, leaves, rebuild, out, pinned, pageable, consumer)
         copies = []
         for i in pinned:
@@ -277,18 +283,14 @@ class DeviceStage:
 
     # -- hand-over ---------------------------------------------------------------------------------
 
-    def asked(self, mark: tuple[float, float, float]) -> None:
-        """The loop asked for its next batch (``mark``: when, and ``fetch_s``, ``stage_s`` then)."""
-        if self.meter is not None:
-            self.meter.asked(self.streams.current, mark)
-
     def hand_over(self, item: DeviceBatch) -> Any:
         """The batch, once the consumer's current stream waits on its copies."""
         if item.stream is None:  # (the CPU)
             return item.batch
         stream = self.streams.current()
-        if self.meter is not None:
-            self.meter.handed(stream, item.event)
+        meter = self.meter
+        if meter is not None and meter.measured is not None:
+            meter.handed(stream, item.event)
         if item.event is not None:
             if item.timed:  # (the batches timed on the copy stream time their hand-over too)
                 t0 = time.perf_counter()
@@ -343,17 +345,14 @@ class _Costs:
     def __init__(self, link: tuple[float, float] | None) -> None:
         self.link = link  # (latency s, bytes a second) of a pinned copy; None: not known, no loop stream
         self.calls_s: float | None = None  # the copy stream's calls, a batch (issue and hand-over)
+        #: A batch of fewer bytes goes on the loop's stream: its copy, ``latency + bytes / rate``, takes less
+        #: than ``calls_s`` (0 until both are known: every batch on the copy stream)
+        self.loop_bytes = 0.0
         self._issue_s: float | None = None
         self._wait_s: float | None = None
 
     def timed(self, count: int) -> bool:
         return self.calls_s is None or count % TIME_EVERY == 0
-
-    def on_loop_stream(self, nbytes: int, count: int) -> bool:
-        if self.link is None or self.calls_s is None:
-            return False
-        latency, rate = self.link
-        return latency + nbytes / rate < self.calls_s and count % RECHECK_EVERY != 0
 
     def side_calls(self, seconds: float) -> None:
         self._issue_s = _average(self._issue_s, seconds)
@@ -366,6 +365,9 @@ class _Costs:
     def _update(self) -> None:
         if self._issue_s is not None and self._wait_s is not None:
             self.calls_s = self._issue_s + self._wait_s
+            if self.link is not None:
+                latency, rate = self.link
+                self.loop_bytes = (self.calls_s - latency) * rate
 
 
 _LINKS: dict[int, tuple[float, float]] = {}
@@ -431,6 +433,17 @@ def _to(obj: Any, device: torch.device) -> Any:
     if device.type == "cuda" and callable(getattr(obj, "pin_memory", None)):
         obj = host_memory.pin(obj)
     return obj.to(device, non_blocking=True)
+
+
+def _pack_pinned(leaves: list[Any], pinned: list[int], staged: list[int]) -> None:
+    """Move the small pinned host leaves from ``pinned`` to ``staged`` where there are enough of them to
+    pack (``PACK_PINNED_LEAVES``): the Stager gathers them into one pinned block and one copy, where each
+    alone would cost a copy's calls."""
+    small = [i for i in pinned if not leaves[i].is_cuda and leaves[i].nbytes <= PACK_LEAF_BYTES]
+    if len(small) >= PACK_PINNED_LEAVES:
+        moved = set(small)
+        pinned[:] = [i for i in pinned if i not in moved]
+        staged.extend(small)
 
 
 def _run_all(jobs: list[Callable[[], None]]) -> None:
