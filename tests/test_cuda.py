@@ -297,36 +297,20 @@ def test_staged_leaves_of_every_shape_and_dtype_arrive_as_contiguous_tensors_of_
     assert torch.equal(got[0]["scalar"].cpu(), batch["scalar"])
 
 
-def test_many_small_pinned_leaves_are_packed_into_one_copy_on_either_stream_exactly():
-    """A batch of 32 small pinned leaves (two dtypes, one not contiguous) beside a large one: the small
-    ones cross in one packed copy (views of one device allocation), the large one alone; every byte exact
-    on the loop's stream and on the copy stream, while the loop's stream is busy."""
-    g = torch.Generator().manual_seed(5)
+def test_pin_pageable_copies_into_pinned_memory_and_leaves_subclasses_and_grads_to_pin_memory():
+    """The staging's pin (the leaf known not pinned, so no second ``is_pinned()``): pinned, exact, shape and
+    dtype kept; a subclass stays its class and a tensor requiring grad keeps it, through ``pin_memory()``."""
+    from gpufeed.host_memory import pin_pageable
 
-    def batch(i):
-        b = {f"f{j}": torch.randn(257 + j, generator=g) + i for j in range(24)}
-        b.update({f"l{j}": torch.randint(0, 2**40, (3, 11 + j), generator=g) for j in range(7)})
-        b["t"] = torch.randn(33, 5, generator=g).t()
-        b["big"] = torch.randn(1 << 16, generator=g)  # 256 KiB: copied alone
-        return {k: v.pin_memory() for k, v in b.items()}
+    class Sub(torch.Tensor):
+        pass
 
-    data = [batch(i) for i in range(40)]
-    for loop_stream in (True, False):
-        with CudaPrefetcher(data) as pf:
-            if not loop_stream:
-                pf._stage.costs.link = None  # (no link known: every batch on the copy stream)
-            got = []
-            for b in pf:
-                got.append(b)
-                torch.cuda._sleep(100_000)
-            torch.cuda.synchronize()
-        for out, d in zip(got, data, strict=True):
-            assert all(torch.equal(out[k].cpu(), v) for k, v in d.items())
-            small = {out[k].untyped_storage().data_ptr() for k in d if k != "big"}
-            assert len(small) == 1 and out["big"].untyped_storage().data_ptr() not in small
-        small_bytes = sum(v.nbytes for k, v in data[0].items() if k != "big")
-        assert pf.stats.staged_bytes == len(data) * small_bytes
-        assert (pf.stats.loop_stream_batches > 0) == loop_stream
+    t = torch.randn(5, 7).double()
+    out = pin_pageable(t)
+    assert out.is_pinned() and out.dtype == t.dtype and torch.equal(out, t)
+    assert type(pin_pageable(t.as_subclass(Sub))) is Sub
+    w = torch.randn(3, requires_grad=True)
+    assert pin_pageable(w).requires_grad and pin_pageable(w).is_pinned()
 
 
 def test_a_loader_may_refill_its_pageable_tensors_once_asked_for_the_next_batch():

@@ -215,20 +215,3 @@ def test_staging_falls_back_to_pageable_memory_once_pinning_fails_and_says_so_on
         assert stage._staged(run, host) == "pageable"
     assert calls == [True, False, False] and len(rec) == 1
     assert not stage.pinning and stage.stats.staged_bytes == 92
-
-
-def test_small_pinned_leaves_are_staged_only_where_enough_to_pack():
-    """Of the leaves copied as they are, the small host ones move to the staged (packed) ones once a batch
-    has ``PACK_PINNED_LEAVES`` of them; a large leaf, and fewer small ones, stay."""
-    from gpufeed._device import _pack_pinned
-    from gpufeed._staging import PACK_PINNED_LEAVES
-
-    small, large = torch.zeros(PACK_LEAF_BYTES // 4), torch.zeros(PACK_LEAF_BYTES // 4 + 1)
-    leaves = [large] + [small] * PACK_PINNED_LEAVES + [torch.zeros(3)]
-    pinned, staged = list(range(len(leaves))), [99]
-    _pack_pinned(leaves, pinned, staged)
-    assert pinned == [0] and staged == [99, *range(1, len(leaves))]
-    fewer = [large] + [small] * (PACK_PINNED_LEAVES - 1)
-    pinned, staged = list(range(len(fewer))), []
-    _pack_pinned(fewer, pinned, staged)
-    assert pinned == list(range(len(fewer))) and staged == []

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from gpufeed import _forks, _nvtx, host_memory
-from gpufeed._staging import PACK_LEAF_BYTES, PACK_PINNED_LEAVES, Stager
+from gpufeed._staging import Stager
 from gpufeed._starvation import GpuWaits
 from gpufeed._tree import flatten
 from gpufeed.host_memory import HostBatch, PinnedUnavailable, warn_pageable
@@ -135,8 +135,8 @@ class DeviceStage:
         leaves, rebuild = flatten(hb.batch)
         device = self.device
         out: list[Any] = list(leaves)
-        pinned: list[int] = []  # leaves copied as they are (pinned, or on another device)
-        pageable: list[int] = []  # leaves staged through pinned memory (Stager)
+        pinned: list[int] = []
+        pageable: list[int] = []
         nbytes = 0
         for i, t in enumerate(leaves):
             if not isinstance(t, torch.Tensor):  # a batch type that moves itself: on the loop's stream, in
@@ -147,8 +147,6 @@ class DeviceStage:
             elif t.device != device:  # (a tensor already there, read by a source to the device, stays)
                 nbytes += t.nbytes
                 pinned.append(i)
-        if len(pinned) >= PACK_PINNED_LEAVES:
-            _pack_pinned(leaves, pinned, pageable)
         self.stats.bytes += nbytes
         self._count += 1
         consumer = self.streams.current()
@@ -433,17 +431,6 @@ def _to(obj: Any, device: torch.device) -> Any:
     if device.type == "cuda" and callable(getattr(obj, "pin_memory", None)):
         obj = host_memory.pin(obj)
     return obj.to(device, non_blocking=True)
-
-
-def _pack_pinned(leaves: list[Any], pinned: list[int], staged: list[int]) -> None:
-    """Move the small pinned host leaves from ``pinned`` to ``staged`` where there are enough of them to
-    pack (``PACK_PINNED_LEAVES``): the Stager gathers them into one pinned block and one copy, where each
-    alone would cost a copy's calls."""
-    small = [i for i in pinned if not leaves[i].is_cuda and leaves[i].nbytes <= PACK_LEAF_BYTES]
-    if len(small) >= PACK_PINNED_LEAVES:
-        moved = set(small)
-        pinned[:] = [i for i in pinned if i not in moved]
-        staged.extend(small)
 
 
 def _run_all(jobs: list[Callable[[], None]]) -> None:

@@ -32,11 +32,6 @@ ALIGN = 64
 #: Tensors of at most this many bytes are packed: their time on the link is a small part of what the torch
 #: calls of a copy of their own cost (docs/design.md, "Staging pageable tensors").
 PACK_LEAF_BYTES = 64 << 10
-#: Pinned tensors of at most ``PACK_LEAF_BYTES`` are packed too where a batch has this many: a pack makes a
-#: fixed few torch calls (two allocations, the views, a gathering copy, the copy to the device) and a memcpy
-#: of their bytes, where each tensor alone makes one copy's calls (docs/design.md, "Many small pinned
-#: tensors").
-PACK_PINNED_LEAVES = 8
 #: A packed block's size at most: a packed tensor the loop keeps (targets gathered for a metric) keeps the
 #: whole block alive on the device, so at most this much beside it.
 PACK_BYTES = 1 << 20
@@ -192,7 +187,7 @@ class Stager:
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:
         if not self.pin:
             return t.clone()
-        return host_memory.pin(t) if self.parallel else host_memory.pin_one_thread(t)
+        return host_memory.pin_pageable(t) if self.parallel else host_memory.pin_one_thread(t)
 
     def _empty(self, nbytes: int) -> torch.Tensor:
         return host_memory.pinned_empty(nbytes) if self.pin else torch.empty(nbytes, dtype=torch.uint8)
