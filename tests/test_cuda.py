@@ -241,14 +241,16 @@ def test_pinning_that_fails_falls_back_to_pageable_copies_with_one_warning(monke
 
 def test_a_leaf_larger_than_a_chunk_is_staged_chunk_by_chunk_exactly(monkeypatch):
     """A 64 MiB leaf in 32 MiB chunks: 2 pinned chunks a batch, every byte exact behind a slow consumer."""
+    import gpufeed.host_memory as hm
+
     pinned = []
-    real = torch.Tensor.pin_memory
+    real = hm.pin_pageable
 
-    def counted(self, *a, **k):
-        pinned.append(self.nbytes)
-        return real(self, *a, **k)
+    def counted(t):
+        pinned.append(t.nbytes)
+        return real(t)
 
-    monkeypatch.setattr(torch.Tensor, "pin_memory", counted)
+    monkeypatch.setattr(hm, "pin_pageable", counted)
     x = torch.randn(64 << 20 >> 2)
     with CudaPrefetcher([x, x.neg(), {"small": x[:1000]}]) as pf:
         got = []

@@ -52,18 +52,13 @@ def pin(t: Any) -> Any:
 
 
 def pin_pageable(t: torch.Tensor) -> torch.Tensor:
-    """``t``, a tensor its caller found not pinned, copied into a pinned block of torch's caching host
-    allocator by torch's parallel copy: :func:`pin` without the ``is_pinned()`` that ``pin_memory()``
-    makes first, which the caller made already (on pageable memory it asks the driver about the pointer:
-    docs/design.md, "Staging pageable tensors"). A subclass, or a tensor requiring grad, is pinned by
-    :func:`pin`."""
+    """``t``, a tensor its caller found not pinned, copied into a block of :func:`pinned_empty` by torch's
+    parallel copy: :func:`pin` without the ``is_pinned()`` that ``pin_memory()`` makes first, which the
+    caller made already (docs/design.md, "Staging pageable tensors"). A subclass, or a tensor requiring
+    grad, is pinned by :func:`pin`."""
     if type(t) is not torch.Tensor or t.requires_grad:
         return pin(t)
-    try:
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    except RuntimeError as exc:
-        raise PinnedUnavailable(f"pinned allocation failed: {exc}") from exc
-    return out.copy_(t)
+    return pinned_empty(t.nbytes).view(t.dtype).view(t.shape).copy_(t)
 
 
 def pin_one_thread(t: torch.Tensor) -> torch.Tensor:
