@@ -241,16 +241,14 @@ def test_pinning_that_fails_falls_back_to_pageable_copies_with_one_warning(monke
 
 def test_a_leaf_larger_than_a_chunk_is_staged_chunk_by_chunk_exactly(monkeypatch):
     """A 64 MiB leaf in 32 MiB chunks: 2 pinned chunks a batch, every byte exact behind a slow consumer."""
-    import gpufeed.host_memory as hm
-
     pinned = []
-    real = hm.pin_pageable
+    real = torch.Tensor.pin_memory
 
-    def counted(t):
-        pinned.append(t.nbytes)
-        return real(t)
+    def counted(self, *a, **k):
+        pinned.append(self.nbytes)
+        return real(self, *a, **k)
 
-    monkeypatch.setattr(hm, "pin_pageable", counted)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", counted)
     x = torch.randn(64 << 20 >> 2)
     with CudaPrefetcher([x, x.neg(), {"small": x[:1000]}]) as pf:
         got = []
@@ -297,22 +295,6 @@ def test_staged_leaves_of_every_shape_and_dtype_arrive_as_contiguous_tensors_of_
     got[0]["cube"].fill_(0)
     assert torch.equal(got[0]["odd"].cpu(), batch["odd"])
     assert torch.equal(got[0]["scalar"].cpu(), batch["scalar"])
-
-
-def test_pin_pageable_copies_into_pinned_memory_and_leaves_subclasses_and_grads_to_pin_memory():
-    """The staging's pin (the leaf known not pinned, so no second ``is_pinned()``): pinned, exact, shape and
-    dtype kept; a subclass stays its class and a tensor requiring grad keeps it, through ``pin_memory()``."""
-    from gpufeed.host_memory import pin_pageable
-
-    class Sub(torch.Tensor):
-        pass
-
-    t = torch.randn(5, 7).double()
-    out = pin_pageable(t)
-    assert out.is_pinned() and out.dtype == t.dtype and torch.equal(out, t)
-    assert type(pin_pageable(t.as_subclass(Sub))) is Sub
-    w = torch.randn(3, requires_grad=True)
-    assert pin_pageable(w).requires_grad and pin_pageable(w).is_pinned()
 
 
 def test_a_loader_may_refill_its_pageable_tensors_once_asked_for_the_next_batch():

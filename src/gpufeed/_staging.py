@@ -187,7 +187,7 @@ class Stager:
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:
         if not self.pin:
             return t.clone()
-        return host_memory.pin_pageable(t) if self.parallel else host_memory.pin_one_thread(t)
+        return host_memory.pin(t) if self.parallel else host_memory.pin_one_thread(t)
 
     def _empty(self, nbytes: int) -> torch.Tensor:
         return host_memory.pinned_empty(nbytes) if self.pin else torch.empty(nbytes, dtype=torch.uint8)

@@ -2,9 +2,9 @@
 
 This package is the only place gpufeed pins memory:
 
-* :func:`pin`, :func:`pin_pageable`, :func:`pin_one_thread` and :func:`pinned_empty`: blocks of torch's
-  caching host allocator, for staging pageable tensors (a block is handed out again only once the copy
-  that read it completed: torch records an event on it at every ``non_blocking`` copy);
+* :func:`pin`, :func:`pin_one_thread` and :func:`pinned_empty`: blocks of torch's caching host allocator,
+  for staging pageable tensors (a block is handed out again only once the copy that read it completed:
+  torch records an event on it at every ``non_blocking`` copy);
 * :class:`~gpufeed.host_memory.pinned_pool.PinnedPool`: the bounded buffers a ``SourceLoader`` reads into;
 * :class:`~gpufeed.host_memory.worker_arena.WorkerArena`: shared memory a DataLoader's workers collate
   into, registered with CUDA once;
@@ -49,16 +49,6 @@ def pin(t: Any) -> Any:
         return t.pin_memory()
     except RuntimeError as exc:  # cudaHostAlloc refused (locked-memory limit)
         raise PinnedUnavailable(f"pinned allocation failed: {exc}") from exc
-
-
-def pin_pageable(t: torch.Tensor) -> torch.Tensor:
-    """``t``, a tensor its caller found not pinned, copied into a block of :func:`pinned_empty` by torch's
-    parallel copy: :func:`pin` without the ``is_pinned()`` that ``pin_memory()`` makes first, which the
-    caller made already (docs/design.md, "Staging pageable tensors"). A subclass, or a tensor requiring
-    grad, is pinned by :func:`pin`."""
-    if type(t) is not torch.Tensor or t.requires_grad:
-        return pin(t)
-    return pinned_empty(t.nbytes).view(t.dtype).view(t.shape).copy_(t)
 
 
 def pin_one_thread(t: torch.Tensor) -> torch.Tensor:
