@@ -91,12 +91,8 @@ class DeviceStage:
         self._fence = torch.cuda.Event() if self.cuda else None
         self.costs = _Costs(link_cost(device) if self.cuda else None)
         self.meter = GpuWaits(stats) if self.cuda and measure else None
-        #: What to call when the loop asks for its next batch (its mark, ``PrefetchStats.mark``), but for an
-        #: epoch's first: the meter's ``asked`` on the loop's stream; None where nothing is measured.
-        self.asked: Callable[[tuple[float, float, float]], None] | None = None
         if self.meter is not None:  # (weak: the meter holds the stats, and no cycle may hold CUDA objects)
             stats._refresh = weakref.WeakMethod(self.meter.refresh)
-            self.asked = functools.partial(self.meter.asked, self.streams.current)
         self._timed: list[tuple[Any, Any, int]] = []  # (start, end, bytes) of sampled batches in flight
         self._count = 0
 
@@ -280,6 +276,11 @@ class DeviceStage:
             self.stats.add(copy_s=start.elapsed_time(end) / 1e3, timed_bytes=nbytes)
 
     # -- hand-over ---------------------------------------------------------------------------------
+
+    def asked(self, mark: tuple[float, float, float]) -> None:
+        """The loop asked for its next batch (``mark``: when, and ``fetch_s``, ``stage_s`` then)."""
+        if self.meter is not None:
+            self.meter.asked(self.streams.current, mark)
 
     def hand_over(self, item: DeviceBatch) -> Any:
         """The batch, once the consumer's current stream waits on its copies."""

@@ -117,9 +117,8 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
     def next(self) -> Any:
         stats = self.stats
         mark = stats.mark()
-        asked = self._stage.asked
-        if asked is not None and self._last_t is not None:  # (an epoch's first batch: its start-up)
-            asked(mark)
+        if self._last_t is not None:  # (an epoch's first batch is its start-up: not judged)
+            self._stage.asked(mark)
         ahead = self._ahead
         if not self._ended and len(ahead) <= self.depth:
             self._fill()

@@ -252,10 +252,10 @@ class _Epoch:
             if self._reason:
                 raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
             raise StopIteration
-        mark = self._stats.mark()
-        asked = self._stage.asked
-        if asked is not None and self._last_t is not None:  # (an epoch's first batch: its start-up)
-            asked(mark)
+        stats = self._stats
+        mark = stats.mark()
+        if self._last_t is not None:  # (an epoch's first batch is its start-up: not judged)
+            self._stage.asked(mark)
         try:
             with self._busy:
                 self._fill()
@@ -319,12 +319,8 @@ class _Epoch:
         if not self._stage.cuda:
             self._kept.append(batch)
         pf._state = item.state
-        stats = self._stats
-        if pf._trace is None:
-            self._last_t = stats.served(mark, self._last_t, not self._stage.cuda)
-        else:
-            self._account(mark, handed=True)
-        stats.batches += 1
+        self._account(mark, handed=True)
+        self._stats.batches += 1
         return batch
 
     def _account(self, mark: tuple[float, float, float], handed: bool = False) -> None:
