@@ -154,6 +154,22 @@ def test_send_delivers_what_prepare_delivers_and_packs_the_same_way(chunk_bytes)
         assert s.numel() == 0 or s.data_ptr() != t.data_ptr()
 
 
+@pytest.mark.parametrize("small", [0, 1, 2])
+def test_send_packs_two_small_tensors_or_more_and_sends_the_rest_each_alone(small):
+    """A batch of a large tensor (transposed: sent contiguous) and ``small`` tensors of at most
+    ``PACK_LEAF_BYTES``: with one small tensor or none each goes alone (a block of its own, one call, as
+    ``prepare`` does it); two are packed into one block."""
+    big = torch.randn(300, 200).t()
+    smalls = [torch.arange(512) * (k + 1) for k in range(small)]
+    leaves = [big, *smalls]
+    sent = Stager(1 << 20, pin=False).send(leaves, torch.device("cpu"))
+    prepared, blocks = stage(Stager(1 << 20, pin=False), leaves)
+    for t, s, p in zip(leaves, sent, prepared, strict=True):
+        assert torch.equal(s, t) and torch.equal(p, t) and s.is_contiguous() and s.data_ptr() != t.data_ptr()
+    sent_blocks = {m.untyped_storage().data_ptr() for m in sent}
+    assert len(sent_blocks) == len(blocks) == (len(leaves) if small < 2 else 2)
+
+
 def test_one_thread_pinning_copies_every_byte_and_leaves_what_numpy_cannot_read_to_torch(monkeypatch):
     """``parallel=False`` (``ToDevice``'s stage) pins by one thread's copy (``host_memory.pin_one_thread``):
     every byte of every dtype arrives, by either stream's path; a tensor numpy cannot read (requiring grad,

@@ -249,44 +249,46 @@ class _Epoch:
 
     def __next__(self) -> Any:
         if self._done:
-            if self._reason:
-                raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
-            raise StopIteration
-        stats = self._stats
+            return self._stopped()
+        stage, stats = self._stage, self._stats
         mark = stats.mark()
         if self._last_t is not None:  # (an epoch's first batch is its start-up: not judged)
-            self._stage.asked(mark)
+            stage.asked(mark)
+        ahead = self._ahead
         try:
             with self._busy:
-                self._fill()
-            item = self._ahead.popleft() if self._ahead else None
+                if not self._ended:
+                    self._fill()
+            item = ahead.popleft() if ahead else None
         except BaseException:  # Ctrl-C, or closed from another thread: the epoch ends now
             if not self._done:
                 self.close("")
             raise
         if self._done:  # closed from another thread while this one read: this thread ends the iteration
             if item is not None:
-                self._ahead.appendleft(item)
-            self._finalizer()
-            raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
-        if type(item) is DeviceBatch:
-            return self._hand_over(item, mark)
-        self._account(mark)
-        if item is None and self._handed:  # the loader's end: its state after it (a resumed run starts anew)
-            end = self._pf._loader.end_state()
-            if end is not None:
-                self._pf._state = end
-        self.close("")
-        self._reason = ""
-        if item is not None:
-            item.reraise()
-        raise StopIteration
+                ahead.appendleft(item)
+            return self._stopped()
+        if type(item) is not DeviceBatch:
+            return self._end(item, mark)
+        pf = self._pf
+        if not self._handed:  # an epoch counts once it hands out a batch (not a probing iter())
+            pf._loader.epoch_started()
+        self._handed += 1
+        batch = stage.hand_over(item)
+        if pf._static is not None:
+            batch = pf._static.fill(batch)
+        if not stage.cuda:
+            self._kept.append(batch)
+        pf._state = item.state
+        self._account(mark, handed=True)
+        stats.batches += 1
+        return batch
 
     def _fill(self) -> None:
         """Take batches from the loader and issue their copies until ``depth`` are ahead of the next one."""
-        stage, stats, trace = self._stage, self._stats, self._pf._trace
-        while not self._ended and not self._done and len(self._ahead) <= self._pf.depth:
-            index = self._taken
+        stage, stats, ahead, trace = self._stage, self._stats, self._ahead, self._pf._trace
+        depth = self._pf.depth
+        while len(ahead) <= depth and not self._done:
             t0 = time.perf_counter()
             try:
                 try:
@@ -298,30 +300,29 @@ class _Epoch:
                     t1 = time.perf_counter()
                     stats.fetch_s += t1 - t0
                     if trace is not None:
-                        trace.add("fetch", int(t0 * 1e9), int(t1 * 1e9), "gpufeed", batch=index)
+                        trace.add("fetch", int(t0 * 1e9), int(t1 * 1e9), "gpufeed", batch=self._taken)
                 self._taken += 1
-                copied = stage.copy(hb)
-                self._ahead.append(copied)  # (after the copy: a close() meanwhile finds it in the deque)
+                ahead.append(stage.copy(hb))  # (after the copy: a close() meanwhile finds it in the deque)
                 if trace is not None:
-                    trace.add("copy", int(t1 * 1e9), time.perf_counter_ns(), "gpufeed", batch=index)
+                    trace.add("copy", int(t1 * 1e9), time.perf_counter_ns(), "gpufeed", batch=self._taken - 1)
             except Exception as exc:  # (the loader's or the transform's) raised after the batches before it
-                self._ahead.append(Failure.caught(exc))
+                ahead.append(Failure.caught(exc))
                 self._ended = True
+                return
 
-    def _hand_over(self, item: DeviceBatch, mark: tuple[float, float, float]) -> Any:
-        pf = self._pf
-        if self._handed == 0:  # an epoch counts once it hands out a batch (not a probing iter())
-            pf._loader.epoch_started()
-        self._handed += 1
-        batch = self._stage.hand_over(item)
-        if pf._static is not None:
-            batch = pf._static.fill(batch)
-        if not self._stage.cuda:
-            self._kept.append(batch)
-        pf._state = item.state
-        self._account(mark, handed=True)
-        self._stats.batches += 1
-        return batch
+    def _end(self, item: Failure | None, mark: tuple[float, float, float]) -> Any:
+        """The loader's end (``item`` None) or its error, now that every batch before it was handed over:
+        the epoch ends, and the error is raised in its batch's place."""
+        self._account(mark)
+        if item is None and self._handed:  # the loader's end: its state after it (a resumed run starts anew)
+            end = self._pf._loader.end_state()
+            if end is not None:
+                self._pf._state = end
+        self.close("")
+        self._reason = ""
+        if item is not None:
+            item.reraise()
+        raise StopIteration
 
     def _account(self, mark: tuple[float, float, float], handed: bool = False) -> None:
         """The loop's wait since ``mark`` (``PrefetchStats.served``); on the CPU the verdict judges the calls
@@ -330,6 +331,13 @@ class _Epoch:
         if self._pf._trace is not None:
             self._pf._trace.add("wait", int(mark[0] * 1e9), int(self._last_t * 1e9), "consumer",
                                 batch=self._stats.batches)
+
+    def _stopped(self) -> Any:
+        """A ``next()`` after the epoch ended: StopIteration, or why it was stopped early."""
+        self._finalizer()
+        if self._reason:
+            raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
+        raise StopIteration
 
     def close(self, reason: str = "closed") -> None:
         """End this epoch now: the loader's iterator closes, and the batches taken ahead are dropped."""
