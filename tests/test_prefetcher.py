@@ -747,3 +747,44 @@ def test_a_program_s_own_frozen_objects_stay_frozen(monkeypatch):
         assert not thawed and gc.get_freeze_count() > 0.9 * frozen
     finally:
         thaw()
+
+
+def test_close_from_another_thread_while_next_reads_leaves_the_epochs_end_to_the_reading_thread():
+    """``close()`` from another thread while the loop's thread is inside ``next()`` (the loader blocked),
+    then a ``next()`` there too: both raise RuntimeError naming the close, and once the reading thread
+    returns, the loader's iteration is closed and no batch is left taken ahead (the thread that reads ends
+    the epoch; the other never runs its end under it)."""
+    inside, release, closed = threading.Event(), threading.Event(), []
+
+    def batches():
+        try:
+            for i in range(10):
+                if i == 2:
+                    inside.set()
+                    release.wait(5)
+                yield {"x": torch.full((3,), i)}
+        finally:
+            closed.append(True)
+
+    pf = CudaPrefetcher(batches, device="cpu", depth=1)
+    it = iter(pf)
+    assert next(it)["x"].tolist() == [0, 0, 0]
+    errors: list[str] = []
+
+    def read() -> None:
+        try:
+            next(it)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert inside.wait(5)
+    pf.close()
+    with pytest.raises(RuntimeError, match="the CudaPrefetcher was closed"):
+        next(it)
+    assert closed == []  # (the reading thread is still in the loader)
+    release.set()
+    reader.join(5)
+    assert errors and "the CudaPrefetcher was closed" in errors[0]
+    assert closed == [True] and len(it._ahead) == 0

@@ -107,8 +107,9 @@ class Stager:
         return outs
 
     def _alone(self, tensors: list[torch.Tensor]) -> bool:
-        """Whether each of ``tensors`` is sent by itself (:meth:`_groups` would make each a group of one,
-        none empty nor larger than a chunk): the common batch of a few tensors, read in one pass."""
+        """Whether each of ``tensors`` can be sent by itself with one call (none empty nor larger than a
+        chunk, at most one small enough to pack: :meth:`_groups` makes each a group of one); the common
+        batch of a few tensors, read in one pass."""
         small = 0
         for t in tensors:
             nbytes = t.nbytes

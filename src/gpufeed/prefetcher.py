@@ -10,7 +10,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -267,7 +267,8 @@ class _Epoch:
         if self._done:  # closed from another thread while this one read: this thread ends the iteration
             if item is not None:
                 ahead.appendleft(item)
-            return self._stopped()
+            self._finalizer()
+            raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
         if type(item) is not DeviceBatch:
             return self._end(item, mark)
         pf = self._pf
@@ -285,7 +286,8 @@ class _Epoch:
         return batch
 
     def _fill(self) -> None:
-        """Take batches from the loader and issue their copies until ``depth`` are ahead of the next one."""
+        """Take batches from the loader and issue their copies until ``depth`` are ahead of the next one
+        (called while the loader is not exhausted: it returns once it is)."""
         stage, stats, ahead, trace = self._stage, self._stats, self._ahead, self._pf._trace
         depth = self._pf.depth
         while len(ahead) <= depth and not self._done:
@@ -310,7 +312,7 @@ class _Epoch:
                 self._ended = True
                 return
 
-    def _end(self, item: Failure | None, mark: tuple[float, float, float]) -> Any:
+    def _end(self, item: Failure | None, mark: tuple[float, float, float]) -> NoReturn:
         """The loader's end (``item`` None) or its error, now that every batch before it was handed over:
         the epoch ends, and the error is raised in its batch's place."""
         self._account(mark)
@@ -332,17 +334,16 @@ class _Epoch:
             self._pf._trace.add("wait", int(mark[0] * 1e9), int(self._last_t * 1e9), "consumer",
                                 batch=self._stats.batches)
 
-    def _stopped(self) -> Any:
+    def _stopped(self) -> NoReturn:
         """A ``next()`` after the epoch ended: StopIteration, or why it was stopped early."""
-        self._finalizer()
         if self._reason:
             raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
         raise StopIteration
 
     def close(self, reason: str = "closed") -> None:
         """End this epoch now: the loader's iterator closes, and the batches taken ahead are dropped."""
+        self._reason = reason  # (first: a next() that finds the epoch done reads why)
         self._done = True
-        self._reason = reason
         self._kept.clear()
         if self._busy.acquire(blocking=False):  # (else the loop's thread is taking a batch: it sees _done)
             try:
