@@ -45,11 +45,6 @@ class DeviceBatch(NamedTuple):
     timed: bool = False  # its copies and calls were timed: so is its hand-over's wait (``_Costs``)
 
 
-#: ``DeviceBatch`` from a tuple of its six fields, in one C call (its ``__new__`` is a Python function: a
-#: call a batch that a loop bound by its thread pays; docs/design.md, "The hot path").
-_device_batch = functools.partial(tuple.__new__, DeviceBatch)
-
-
 class DeviceStage:
     """Copies host batches to ``device`` and hands them to the consumer's stream.
 
@@ -170,7 +165,7 @@ class DeviceStage:
         if start is not None:
             self._timed.append((start, end, nbytes))
         self._collect_timing()
-        return _device_batch((batch, end, hb.state, consumer, fresh, start is not None))
+        return DeviceBatch(batch, end, hb.state, consumer, fresh, start is not None)
 
     def _staging(self, leaves: list[Any], out: list[Any], pageable: list[int]) -> Callable[[], Any] | None:
         """Allocate the device tensors of the pageable ``leaves`` (into ``out``); the job that stages them."""
@@ -207,7 +202,7 @@ class DeviceStage:
         self.stats.loop_stream_batches += 1
         if self.meter is not None:
             self.meter.inline = True
-        return _device_batch((batch, None, hb.state, consumer, None, False))  # (device tensors: found later)
+        return DeviceBatch(batch, None, hb.state, consumer, None)  # (its device tensors: found if needed)
 
     def _issue(self, consumer: Any, copies: list[tuple[torch.Tensor, torch.Tensor]],
                staging: Callable[[], Any] | None) -> tuple[Any, Any]:
@@ -292,9 +287,8 @@ class DeviceStage:
         if item.stream is None:  # (the CPU)
             return item.batch
         stream = self.streams.current()
-        meter = self.meter
-        if meter is not None and meter.measured is not None:
-            meter.handed(stream, item.event)
+        if self.meter is not None:
+            self.meter.handed(stream, item.event)
         if item.event is not None:
             if item.timed:  # (the batches timed on the copy stream time their hand-over too)
                 t0 = time.perf_counter()

@@ -93,8 +93,6 @@ class Stager:
 
         Raises :class:`~gpufeed.host_memory.PinnedUnavailable` where pinned memory cannot be had.
         """
-        if self._alone(tensors):
-            return [self._pinned(t.contiguous()).to(device, non_blocking=True) for t in tensors]
         outs: list[Any] = [None] * len(tensors)
         for group in self._groups(tensors):
             t = tensors[group[0]]
@@ -105,18 +103,6 @@ class Stager:
             if job is not None:
                 job()
         return outs
-
-    def _alone(self, tensors: list[torch.Tensor]) -> bool:
-        """Whether each of ``tensors`` can be sent by itself with one call (none empty nor larger than a
-        chunk, at most one small enough to pack: :meth:`_groups` makes each a group of one); the common
-        batch of a few tensors, read in one pass."""
-        small = 0
-        for t in tensors:
-            nbytes = t.nbytes
-            if nbytes == 0 or nbytes > self.chunk_bytes:
-                return False
-            small += nbytes <= PACK_LEAF_BYTES
-        return small < 2
 
     def _job(self, group: list[int], tensors: list[torch.Tensor], outs: list[Any],
              device: torch.device) -> Job | None:

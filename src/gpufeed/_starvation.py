@@ -78,8 +78,7 @@ class GpuWaits:
         self.inline = False  # the current call issued a copy on the loop's stream
         self._free: list[Any] = []
         self._pending: collections.deque[_Pending] = collections.deque()
-        # the call being measured, (event, mark, index), until its hand-over; None: this call is not measured
-        self.measured: tuple[Any, tuple[float, float, float], int] | None = None
+        self._asked: tuple[Any, tuple[float, float, float], int] | None = None  # (event, mark, index)
         self._epoch = 0
         self._calls = 0  # asked() calls so far
         self._next = 0  # the call measured next
@@ -92,17 +91,17 @@ class GpuWaits:
         """An epoch starts: its first batch is its start-up, and the last call of the one before (which
         found the end, and handed nothing over) pairs with no batch."""
         self._epoch += 1
-        if self.measured is not None:
-            self._free.append(self.measured[0])
-            self.measured = None
+        if self._asked is not None:
+            self._free.append(self._asked[0])
+            self._asked = None
 
     def asked(self, current: Callable[[], Any], mark: tuple[float, float, float]) -> None:
         """``next()`` started (``mark``: its time, and the stats' ``fetch_s`` and ``stage_s`` then);
         ``current()`` is the loop's stream, looked up only for a batch measured."""
         self.inline = False
-        if self.measured is not None:  # a call that handed nothing over (the end, an error)
-            self._free.append(self.measured[0])
-            self.measured = None
+        if self._asked is not None:  # a call that handed nothing over (the end, an error)
+            self._free.append(self._asked[0])
+            self._asked = None
         index = self._calls
         self._calls = index + 1
         if index < self._next:  # not measured
@@ -115,14 +114,14 @@ class GpuWaits:
             self._second = False
         event = self._take()
         _record(event, current())
-        self.measured = (event, mark, index)
+        self._asked = (event, mark, index)
 
     def handed(self, stream: Any, copied: Any) -> None:
         """The batch is handed over on ``stream``, which is about to wait on ``copied``."""
-        if self.measured is None:  # an epoch's first batch, or a batch not measured
+        if self._asked is None:  # an epoch's first batch, or a batch not measured
             return
-        asked, (t0, fetch0, stage0), index = self.measured
-        self.measured = None
+        asked, (t0, fetch0, stage0), index = self._asked
+        self._asked = None
         if copied is not None and _query(copied):  # done before the stream could be ready: no copy wait
             copied = None
         handed = None

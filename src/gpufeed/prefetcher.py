@@ -249,7 +249,9 @@ class _Epoch:
 
     def __next__(self) -> Any:
         if self._done:
-            return self._stopped()
+            if self._reason:
+                raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
+            raise StopIteration
         stage, stats = self._stage, self._stats
         mark = stats.mark()
         if self._last_t is not None:  # (an epoch's first batch is its start-up: not judged)
@@ -291,6 +293,7 @@ class _Epoch:
         stage, stats, ahead, trace = self._stage, self._stats, self._ahead, self._pf._trace
         depth = self._pf.depth
         while len(ahead) <= depth and not self._done:
+            index = self._taken
             t0 = time.perf_counter()
             try:
                 try:
@@ -302,11 +305,11 @@ class _Epoch:
                     t1 = time.perf_counter()
                     stats.fetch_s += t1 - t0
                     if trace is not None:
-                        trace.add("fetch", int(t0 * 1e9), int(t1 * 1e9), "gpufeed", batch=self._taken)
+                        trace.add("fetch", int(t0 * 1e9), int(t1 * 1e9), "gpufeed", batch=index)
                 self._taken += 1
                 ahead.append(stage.copy(hb))  # (after the copy: a close() meanwhile finds it in the deque)
                 if trace is not None:
-                    trace.add("copy", int(t1 * 1e9), time.perf_counter_ns(), "gpufeed", batch=self._taken - 1)
+                    trace.add("copy", int(t1 * 1e9), time.perf_counter_ns(), "gpufeed", batch=index)
             except Exception as exc:  # (the loader's or the transform's) raised after the batches before it
                 ahead.append(Failure.caught(exc))
                 self._ended = True
@@ -333,12 +336,6 @@ class _Epoch:
         if self._pf._trace is not None:
             self._pf._trace.add("wait", int(mark[0] * 1e9), int(self._last_t * 1e9), "consumer",
                                 batch=self._stats.batches)
-
-    def _stopped(self) -> NoReturn:
-        """A ``next()`` after the epoch ended: StopIteration, or why it was stopped early."""
-        if self._reason:
-            raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
-        raise StopIteration
 
     def close(self, reason: str = "closed") -> None:
         """End this epoch now: the loader's iterator closes, and the batches taken ahead are dropped."""
