@@ -128,6 +128,11 @@ class DeviceStage:
         return DeviceBatch(batch, None, hb.state, None, [])
 
     def _to_cuda(self, hb: HostBatch) -> DeviceBatch:
+        self._count += 1
+        if self._count % RECHECK_EVERY:
+            flat = self._flat_on_loop_stream(hb)
+            if flat is not None:
+                return flat
         leaves, rebuild = flatten(hb.batch)
         device = self.device
         out: list[Any] = list(leaves)
@@ -144,7 +149,6 @@ class DeviceStage:
                 nbytes += t.nbytes
                 pinned.append(i)
         self.stats.bytes += nbytes
-        self._count += 1
         consumer = self.streams.current()
         if nbytes < self.costs.loop_bytes and self._count % RECHECK_EVERY:
             return self._on_loop_stream(hb, leaves, rebuild, out, pinned, pageable, consumer)
@@ -176,6 +180,45 @@ class DeviceStage:
         for i, t in zip(pageable, staged, strict=True):
             out[i] = t
         return functools.partial(self._staged, functools.partial(_run_all, jobs), host)
+
+    def _flat_on_loop_stream(self, hb: HostBatch) -> DeviceBatch | None:
+        """The common small batch, a tuple, list or dict of plain CPU tensors (no transform), copied on the
+        loop's stream in one pass over its tensors; None where the batch is not one, or is too large for the
+        loop's stream (:meth:`_to_cuda` then takes it). The same copies as :meth:`_on_loop_stream`, without
+        the index lists and the rebuild a batch of any structure needs: this is the loop's every batch."""
+        batch = hb.batch
+        kind = type(batch)
+        if not (kind is tuple or kind is dict or kind is list) or self.transform is not None:
+            return None
+        leaves = list(batch.values()) if kind is dict else batch
+        nbytes = 0
+        for t in leaves:
+            if type(t) is not torch.Tensor or t.is_cuda:
+                return None
+            nbytes += t.nbytes
+        if nbytes >= self.costs.loop_bytes:
+            return None
+        device = self.device
+        pinned = [t.is_pinned() for t in leaves]
+        if False in pinned:
+            host = [t for t, p in zip(leaves, pinned, strict=True) if not p]
+            sent = iter(self._staged(functools.partial(self.stager.send, host, device), host))
+            out = [t.to(device, non_blocking=True) if p else next(sent)
+                   for t, p in zip(leaves, pinned, strict=True)]
+        else:
+            out = [t.to(device, non_blocking=True) for t in leaves]
+        consumer = self.streams.current()
+        if hb.lease is not None:  # the host memory goes back once the loop's stream has read it
+            end = torch.cuda.Event()
+            end.record(consumer)
+            hb.lease(end)
+        stats = self.stats
+        stats.bytes += nbytes
+        stats.loop_stream_batches += 1
+        if self.meter is not None:
+            self.meter.inline = True
+        moved = dict(zip(batch, out, strict=True)) if kind is dict else out if kind is list else tuple(out)
+        return DeviceBatch(moved, None, hb.state, consumer, None)
 
     def _on_loop_stream(self, hb: HostBatch, leaves: list[Any], rebuild: Any, out: list[Any],
                         pinned: list[int], pageable: list[int], consumer: Any) -> DeviceBatch:

@@ -217,136 +217,146 @@ class _Epoch:
     """One iteration: each ``next()`` takes a host batch from the loader, issues its copies, and hands over
     the batch taken ``depth`` calls before.
 
+    The iteration's steps are one generator (:func:`_handed`), which keeps what every batch uses in its
+    locals; this object is the iterator the loop holds, the lock that serializes ``next()`` calls, and the
+    ``close()`` any thread may call.
+
     Invariants: ``ahead`` holds at most ``depth + 1`` items (device batches, then a Failure last), in the
     loader's order; an item is handed over once. The epoch's host batches come from a generator that owns
-    the loader's iterator: closing it (at the end, ``close()``, or when this object is collected) ends the
-    loader's iteration, its worker processes and reader threads. On the CPU, ``kept`` holds the two
-    batches handed over last: the batch the loop let go of is freed inside ``next()`` (the hand-over
-    drops it), so the cost of freeing it (a DataLoader worker's shared memory: about 130 us a MiB) counts
-    as the input's, not as the loop's step.
+    the loader's iterator: the epoch's end (the loader's end or error, ``close()``, or this object
+    collected: ``break``, ``del``) closes it, ending the loader's iteration, its worker processes and
+    reader threads, on the thread that reads, or at ``close()`` when no thread reads. On the CPU, ``kept``
+    holds the two batches handed over last: the batch the loop let go of is freed inside ``next()`` (the
+    hand-over drops it), so the cost of freeing it (a DataLoader worker's shared memory: about 130 us a
+    MiB) counts as the input's, not as the loop's step.
     """
 
     def __init__(self, pf: CudaPrefetcher, batches: Iterator[Any]) -> None:
-        self._pf = pf  # keeps the prefetcher (stream, arena) alive while the epoch runs
-        self._fetch = _nvtx.ranged("gpufeed.fetch")(batches.__next__)
-        self._stage = pf._stage
-        self._stats = pf.stats
         self._ahead: collections.deque[Any] = collections.deque()
-        self._ended = False  # the loader is exhausted (or failed): nothing more to take
-        self._done = False
-        self._reason = ""
-        self._last_t: float | None = None
-        self._handed = 0
-        self._taken = 0  # batches taken from the loader
-        self._busy = threading.Lock()  # held while the loop's thread takes from the loader
         self._kept: collections.deque[Any] = collections.deque(maxlen=2)
-        self._finalizer = weakref.finalize(self, _end_epoch, batches, self._ahead, self._stage)
-        if self._stage.meter is not None:
-            self._stage.meter.new_epoch()
+        self._busy = threading.Lock()  # held while a thread is in next()
+        self._stop = _Stop()
+        self._finalizer = weakref.finalize(self, _end_epoch, batches, self._ahead, pf._stage)
+        # (the generator holds no reference to this object: collecting it ends the epoch at once)
+        self._step = _handed(pf, batches, self._ahead, self._kept, self._stop, self._finalizer).__next__
+        if pf._stage.meter is not None:
+            pf._stage.meter.new_epoch()
 
     def __iter__(self) -> _Epoch:
         return self
 
     def __next__(self) -> Any:
-        if self._done:
-            if self._reason:
-                raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
-            raise StopIteration
-        stage, stats = self._stage, self._stats
-        mark = stats.mark()
-        if self._last_t is not None:  # (an epoch's first batch is its start-up: not judged)
-            stage.asked(mark)
-        ahead = self._ahead
-        try:
-            with self._busy:
-                if not self._ended:
-                    self._fill()
-            item = ahead.popleft() if ahead else None
-        except BaseException:  # Ctrl-C, or closed from another thread: the epoch ends now
-            if not self._done:
-                self.close("")
-            raise
-        if self._done:  # closed from another thread while this one read: this thread ends the iteration
-            if item is not None:
-                ahead.appendleft(item)
-            self._finalizer()
-            raise RuntimeError(f"this gpufeed iterator was stopped: {self._reason}")
-        if type(item) is not DeviceBatch:
-            return self._end(item, mark)
-        pf = self._pf
-        if not self._handed:  # an epoch counts once it hands out a batch (not a probing iter())
-            pf._loader.epoch_started()
-        self._handed += 1
-        batch = stage.hand_over(item)
-        if pf._static is not None:
-            batch = pf._static.fill(batch)
-        if not stage.cuda:
-            self._kept.append(batch)
-        pf._state = item.state
-        self._account(mark, handed=True)
-        stats.batches += 1
-        return batch
-
-    def _fill(self) -> None:
-        """Take batches from the loader and issue their copies until ``depth`` are ahead of the next one
-        (called while the loader is not exhausted: it returns once it is)."""
-        stage, stats, ahead, trace = self._stage, self._stats, self._ahead, self._pf._trace
-        depth = self._pf.depth
-        while len(ahead) <= depth and not self._done:
-            index = self._taken
-            t0 = time.perf_counter()
-            try:
-                try:
-                    hb = self._fetch()
-                except StopIteration:
-                    self._ended = True
-                    return
-                finally:
-                    t1 = time.perf_counter()
-                    stats.fetch_s += t1 - t0
-                    if trace is not None:
-                        trace.add("fetch", int(t0 * 1e9), int(t1 * 1e9), "gpufeed", batch=index)
-                self._taken += 1
-                ahead.append(stage.copy(hb))  # (after the copy: a close() meanwhile finds it in the deque)
-                if trace is not None:
-                    trace.add("copy", int(t1 * 1e9), time.perf_counter_ns(), "gpufeed", batch=index)
-            except Exception as exc:  # (the loader's or the transform's) raised after the batches before it
-                ahead.append(Failure.caught(exc))
-                self._ended = True
-                return
-
-    def _end(self, item: Failure | None, mark: tuple[float, float, float]) -> NoReturn:
-        """The loader's end (``item`` None) or its error, now that every batch before it was handed over:
-        the epoch ends, and the error is raised in its batch's place."""
-        self._account(mark)
-        if item is None and self._handed:  # the loader's end: its state after it (a resumed run starts anew)
-            end = self._pf._loader.end_state()
-            if end is not None:
-                self._pf._state = end
-        self.close("")
-        self._reason = ""
-        if item is not None:
-            item.reraise()
-        raise StopIteration
-
-    def _account(self, mark: tuple[float, float, float], handed: bool = False) -> None:
-        """The loop's wait since ``mark`` (``PrefetchStats.served``); on the CPU the verdict judges the calls
-        that handed a batch over (not the one that finds the end: no step follows it)."""
-        self._last_t = self._stats.served(mark, self._last_t, handed and not self._stage.cuda)
-        if self._pf._trace is not None:
-            self._pf._trace.add("wait", int(mark[0] * 1e9), int(self._last_t * 1e9), "consumer",
-                                batch=self._stats.batches)
+        if self._stop.done:
+            self._stop.raise_()
+        with self._busy:
+            return self._step()
 
     def close(self, reason: str = "closed") -> None:
         """End this epoch now: the loader's iterator closes, and the batches taken ahead are dropped."""
-        self._reason = reason  # (first: a next() that finds the epoch done reads why)
-        self._done = True
-        self._kept.clear()
-        if self._busy.acquire(blocking=False):  # (else the loop's thread is taking a batch: it sees _done)
+        self._stop.stop(reason, self._kept)
+        if self._busy.acquire(blocking=False):  # (else a thread is in next(): it ends the epoch)
             try:
                 self._finalizer()
             finally:
                 self._busy.release()
+
+
+class _Stop:
+    """Whether an epoch was stopped, and why: set by ``close()`` on any thread, read in ``next()``."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.reason = ""  # empty: the epoch ended (its next() raises StopIteration)
+
+    def stop(self, reason: str, kept: collections.deque[Any]) -> None:
+        self.reason = reason  # (first: a next() that finds the epoch done reads why)
+        self.done = True
+        kept.clear()
+
+    def raise_(self) -> NoReturn:
+        if self.reason:
+            raise RuntimeError(f"this gpufeed iterator was stopped: {self.reason}")
+        raise StopIteration
+
+
+def _handed(pf: CudaPrefetcher, batches: Iterator[Any], ahead: collections.deque[Any],
+            kept: collections.deque[Any], stop: _Stop, end: Callable[[], Any]) -> Iterator[Any]:
+    """An epoch's batches, each handed over on the loop's stream: every step takes batches from the
+    loader and issues their copies until ``depth`` are ahead of the next one (``ahead``), then hands that
+    one over. The loader's end, or its error in its batch's place, ends the epoch (``end``)."""
+    stage, stats, loader, trace = pf._stage, pf.stats, pf._loader, pf._trace
+    fetch = _nvtx.ranged("gpufeed.fetch")(batches.__next__)
+    depth, static, copy, perf = pf.depth, pf._static, stage.copy, time.perf_counter
+    last: float | None = None  # when the loop got its previous batch (None: an epoch's first is its start-up)
+    taken = 0  # batches taken from the loader
+    ended = False  # the loader is exhausted (or failed): nothing more to take
+    while True:
+        mark = stats.mark()
+        if last is not None:
+            stage.asked(mark)
+        try:
+            while not ended and len(ahead) <= depth and not stop.done:
+                t0 = perf()
+                try:
+                    try:
+                        hb = fetch()
+                    finally:
+                        t1 = perf()
+                        stats.fetch_s += t1 - t0
+                        if trace is not None:
+                            trace.add("fetch", int(t0 * 1e9), int(t1 * 1e9), "gpufeed", batch=taken)
+                    ahead.append(copy(hb))  # (after the copy: a close() meanwhile finds it in the deque)
+                    if trace is not None:
+                        trace.add("copy", int(t1 * 1e9), time.perf_counter_ns(), "gpufeed", batch=taken)
+                    taken += 1
+                except StopIteration:
+                    ended = True
+                except Exception as exc:  # (the loader's or the transform's) after the batches before it
+                    ahead.append(Failure.caught(exc))
+                    ended = True
+            item = ahead.popleft() if ahead else None
+        except BaseException:  # Ctrl-C: the epoch ends now
+            if not stop.done:
+                stop.stop("", kept)
+                end()
+            raise
+        if stop.done:  # closed from another thread while this one read: this thread ends the iteration
+            if item is not None:
+                ahead.appendleft(item)
+            end()
+            stop.raise_()
+        if type(item) is not DeviceBatch:  # the loader's end (None) or its error, every batch before handed
+            if item is None and last is not None:  # its state after the end (a resumed run starts anew)
+                state = loader.end_state()
+                if state is not None:
+                    pf._state = state
+            _account(stats, trace, mark, last, False)
+            stop.stop("", kept)
+            end()
+            if item is not None:
+                item.reraise()
+            return
+        if last is None:  # an epoch counts once it hands out a batch (not a probing iter())
+            loader.epoch_started()
+        batch = stage.hand_over(item)
+        if static is not None:
+            batch = static.fill(batch)
+        if not stage.cuda:
+            kept.append(batch)
+        pf._state = item.state
+        last = _account(stats, trace, mark, last, not stage.cuda)
+        stats.batches += 1
+        yield batch
+
+
+def _account(stats: PrefetchStats, trace: TraceRecorder | None, mark: tuple[float, float, float],
+             last: float | None, judged: bool) -> float:
+    """The loop's wait since ``mark`` (``PrefetchStats.served``); on the CPU the verdict judges the calls
+    that handed a batch over (``judged``; not the one that finds the end: no step follows it)."""
+    now = stats.served(mark, last, judged)
+    if trace is not None:
+        trace.add("wait", int(mark[0] * 1e9), int(now * 1e9), "consumer", batch=stats.batches)
+    return now
 
 
 def _end_epoch(batches: Iterator[Any], ahead: collections.deque[Any], stage: DeviceStage) -> None:
