@@ -1,7 +1,8 @@
 """A/B on the GPU, one process: gpufeed before this change (``gpufeed_old``, a renamed copy of the package of
-``abf1344``: the epoch as a class, the stage's general copy) and after (the epoch as one generator, a flat
-batch's copy in one pass), beside the one-liners, in bench_loops' MLP and token steps over pinned and
-pageable lists: steps/s and the loop thread's time in ``next()``, interleaved rounds."""
+``5237248``: a flat batch's pageable leaves staged after asking each whether it is pinned) and after (each
+leaf pinned as pin_memory() would, a bare tensor taking the flat path), beside the one-liners, in
+bench_loops' MLP and token steps over pinned and pageable lists: steps/s and the loop thread's time in
+``next()``, interleaved rounds."""
 
 import statistics
 import sys

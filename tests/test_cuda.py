@@ -145,6 +145,38 @@ def test_small_pageable_batches_are_pinned_and_copied_on_the_loop_s_stream_exact
     assert pf.stats.loop_stream_batches >= 36 and pf.stats.staged_bytes == pf.stats.bytes
 
 
+@pytest.mark.parametrize("kind", ["tensor", "tuple"])
+def test_a_small_batch_none_of_whose_leaves_pack_is_pinned_leaf_by_leaf_on_the_loop_s_stream(kind):
+    """A bare tensor, or a tuple whose one small leaf packs with none: each pageable leaf pinned as
+    ``pin_memory()`` + ``.to(non_blocking=True)`` would, a pinned leaf copied as it is (never staged), the
+    bytes exact while the host tensors are overwritten right after ``next()``."""
+    def batch(i):
+        x = torch.full((1 << 16,), float(i))
+        pinned = torch.full((1 << 15,), float(i)).pin_memory()
+        return x if kind == "tensor" else (x, torch.arange(8) + i, pinned)
+
+    data = [batch(i) for i in range(40)]
+    src = [b.clone() if kind == "tensor" else tuple(t.clone() for t in b) for b in data]
+    if kind == "tuple":
+        src = [(x, y, data[i][2]) for i, (x, y, _) in enumerate(src)]  # (the pinned leaf is read as it is)
+    with CudaPrefetcher(src) as pf:
+        got = []
+        for i, b in enumerate(pf):
+            got.append(b)
+            for t in [src[i]] if kind == "tensor" else src[i][:2]:
+                t.zero_()
+            torch.cuda._sleep(200_000)  # the loop's stream busy: copies queued on it land later
+        torch.cuda.synchronize()
+    for g, d in zip(got, data, strict=True):
+        if kind == "tensor":
+            assert torch.equal(g.cpu(), d)
+        else:
+            assert type(g) is tuple and all(torch.equal(a.cpu(), b) for a, b in zip(g, d, strict=True))
+    assert pf.stats.loop_stream_batches >= 36
+    pinned = 0 if kind == "tensor" else 40 * (1 << 17)
+    assert pf.stats.staged_bytes == pf.stats.bytes - pinned
+
+
 def test_the_link_is_measured_once_as_a_latency_and_a_rate():
     from gpufeed._device import link_cost
 

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from gpufeed import _forks, _nvtx, host_memory
-from gpufeed._staging import Stager
+from gpufeed._staging import PACK_LEAF_BYTES, Stager
 from gpufeed._starvation import GpuWaits
 from gpufeed._tree import flatten
 from gpufeed.host_memory import HostBatch, PinnedUnavailable, warn_pageable
@@ -182,31 +182,40 @@ class DeviceStage:
         return functools.partial(self._staged, functools.partial(_run_all, jobs), host)
 
     def _flat_on_loop_stream(self, hb: HostBatch) -> DeviceBatch | None:
-        """The common small batch, a tuple, list or dict of plain CPU tensors (no transform), copied on the
-        loop's stream in one pass over its tensors; None where the batch is not one, or is too large for the
-        loop's stream (:meth:`_to_cuda` then takes it). The same copies as :meth:`_on_loop_stream`, without
-        the index lists and the rebuild a batch of any structure needs: this is the loop's every batch."""
+        """The common small batch, a plain CPU tensor or a tuple, list or dict of them (no transform), copied
+        on the loop's stream in one pass over its tensors; None where the batch is not one, or is too large
+        for the loop's stream (:meth:`_to_cuda` then takes it). The same copies as :meth:`_on_loop_stream`,
+        without the index lists and the rebuild a batch of any structure needs: this is the loop's every
+        batch."""
         batch = hb.batch
         kind = type(batch)
-        if not (kind is tuple or kind is dict or kind is list) or self.transform is not None:
+        if kind is torch.Tensor:
+            leaves = [batch]
+        elif kind is tuple or kind is list:
+            leaves = batch
+        elif kind is dict:
+            leaves = list(batch.values())
+        else:
             return None
-        leaves = list(batch.values()) if kind is dict else batch
-        nbytes = 0
+        if self.transform is not None:
+            return None
+        nbytes = small = 0
         for t in leaves:
             if type(t) is not torch.Tensor or t.is_cuda:
                 return None
-            nbytes += t.nbytes
+            n = t.nbytes
+            nbytes += n
+            small += 0 < n <= PACK_LEAF_BYTES
         if nbytes >= self.costs.loop_bytes:
             return None
         device = self.device
         pinned = [t.is_pinned() for t in leaves]
-        if False in pinned:
-            host = [t for t, p in zip(leaves, pinned, strict=True) if not p]
-            sent = iter(self._staged(functools.partial(self.stager.send, host, device), host))
-            out = [t.to(device, non_blocking=True) if p else next(sent)
-                   for t, p in zip(leaves, pinned, strict=True)]
-        else:
+        if False not in pinned:
             out = [t.to(device, non_blocking=True) for t in leaves]
+        elif small < 2 and self.stager.parallel and self.pinning:
+            out = self._pin_each(leaves, pinned)
+        else:
+            out = self._pageable_staged(leaves, pinned)
         consumer = self.streams.current()
         if hb.lease is not None:  # the host memory goes back once the loop's stream has read it
             end = torch.cuda.Event()
@@ -217,8 +226,35 @@ class DeviceStage:
         stats.loop_stream_batches += 1
         if self.meter is not None:
             self.meter.inline = True
-        moved = dict(zip(batch, out, strict=True)) if kind is dict else out if kind is list else tuple(out)
+        if kind is torch.Tensor or kind is list:
+            moved: Any = out[0] if kind is torch.Tensor else out
+        else:
+            moved = dict(zip(batch, out, strict=True)) if kind is dict else tuple(out)
         return DeviceBatch(moved, None, hb.state, consumer, None)
+
+    def _pin_each(self, leaves: list[torch.Tensor], pinned: list[bool]) -> list[torch.Tensor]:
+        """Each pageable leaf pinned, then every leaf copied with ``.to(non_blocking=True)``, as a loop that
+        pins its batch does: for leaves none of which would pack with another
+        (:class:`~gpufeed._staging.Stager`), without the stager's grouping."""
+        t0 = time.perf_counter()
+        try:
+            held = [t if p else host_memory.pin(t) for t, p in zip(leaves, pinned, strict=True)]
+        except PinnedUnavailable:
+            self._pinning_failed()
+            return [t.to(self.device) for t in leaves]
+        staged = sum([t.nbytes for t, p in zip(leaves, pinned, strict=True) if not p])
+        self.stats.add(staged_bytes=staged, stage_s=time.perf_counter() - t0)
+        device = self.device
+        return [h.to(device, non_blocking=True) for h in held]
+
+    def _pageable_staged(self, leaves: list[torch.Tensor], pinned: list[bool]) -> list[torch.Tensor]:
+        """Every leaf copied with ``.to(non_blocking=True)``, the pageable ones staged by the stager (packed
+        where several are small, pinned by one thread where it pins so)."""
+        device = self.device
+        host = [t for t, p in zip(leaves, pinned, strict=True) if not p]
+        sent = iter(self._staged(functools.partial(self.stager.send, host, device), host))
+        return [t.to(device, non_blocking=True) if p else next(sent)
+                for t, p in zip(leaves, pinned, strict=True)]
 
     def _on_loop_stream(self, hb: HostBatch, leaves: list[Any], rebuild: Any, out: list[Any],
                         pinned: list[int], pageable: list[int], consumer: Any) -> DeviceBatch:
@@ -288,10 +324,14 @@ class DeviceStage:
                 self.stats.add(staged_bytes=sum([t.nbytes for t in host]), stage_s=time.perf_counter() - t0)
                 return out
             except PinnedUnavailable:
-                self.pinning = False
-                self.stager.pin = False
-                warn_pageable("pinned allocation failed")
+                self._pinning_failed()
         return run()
+
+    def _pinning_failed(self) -> None:
+        """Pinned memory cannot be had: pageable tensors are copied from pageable memory from now on."""
+        self.pinning = False
+        self.stager.pin = False
+        warn_pageable("pinned allocation failed")
 
     def _transform(self, batch: Any, fresh: list[torch.Tensor],
                    consumer: Any) -> tuple[Any, list[torch.Tensor]]:
