@@ -1,6 +1,7 @@
 """CUDA specifics, run on the GPU machine (`pytest -m cuda`): streams, events, memory, exact bytes."""
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -175,6 +176,17 @@ def test_a_small_batch_none_of_whose_leaves_pack_is_pinned_leaf_by_leaf_on_the_l
     assert pf.stats.loop_stream_batches >= 36
     pinned = 0 if kind == "tensor" else 40 * (1 << 17)
     assert pf.stats.staged_bytes == pf.stats.bytes - pinned
+
+
+def test_a_batch_the_loop_lets_go_of_is_freed_before_its_next_call():
+    """Nothing of gpufeed's holds a batch once handed over: ``del`` frees its device memory at once."""
+    with CudaPrefetcher([torch.full((1 << 16,), float(i)).pin_memory() for i in range(8)]) as pf:
+        it = iter(pf)
+        for _ in range(3):
+            batch = next(it)
+            held = weakref.ref(batch)
+            del batch
+            assert held() is None
 
 
 def test_the_link_is_measured_once_as_a_latency_and_a_rate():

@@ -788,3 +788,98 @@ def test_close_from_another_thread_while_next_reads_leaves_the_epochs_end_to_the
     reader.join(5)
     assert errors and "the CudaPrefetcher was closed" in errors[0]
     assert closed == [True] and len(it._ahead) == 0
+
+
+def _closing_loader(log, n=10):
+    def batches():
+        try:
+            for i in range(n):
+                yield {"x": torch.full((2,), i)}
+        finally:
+            log.append("closed")
+    return batches
+
+
+def test_a_close_from_another_thread_while_next_hands_over_ends_the_epoch_at_once():
+    """close() arriving while the loop's thread is past its last check (handing a batch over): that
+    thread ends the epoch as it leaves next(), so the loader closes then, not when the iterator is
+    collected; its later next() says why it stopped."""
+    log = []
+    pf = CudaPrefetcher(_closing_loader(log), device="cpu", depth=2)
+    it = iter(pf)
+    next(it)
+    hand_over = pf._stage.hand_over
+
+    def closed_meanwhile(item):
+        threading.Thread(target=it.close, args=("closed by another thread",)).start()
+        time.sleep(0.1)  # (the other thread's close() finds this one in next())
+        return hand_over(item)
+
+    pf._stage.hand_over = closed_meanwhile
+    assert next(it)["x"].tolist() == [1, 1]
+    assert log == ["closed"]
+    with pytest.raises(RuntimeError, match="closed by another thread"):
+        next(it)
+    pf.close()
+
+
+def test_a_thread_waiting_in_next_when_the_epoch_is_closed_gets_why():
+    log, release, reached = [], threading.Event(), threading.Event()
+
+    def slow():
+        try:
+            for i in range(100):
+                if i == 3:
+                    reached.set()
+                    release.wait(5)
+                yield torch.full((1,), i)
+        finally:
+            log.append("closed")
+
+    pf = CudaPrefetcher(slow, device="cpu", depth=1)
+    it = iter(pf)
+    got = {}
+
+    def take(name, n):
+        try:
+            for _ in range(n):
+                next(it)
+            got[name] = "batch"
+        except BaseException as exc:
+            got[name] = exc
+
+    a = threading.Thread(target=take, args=("a", 3))
+    a.start()
+    reached.wait(5)
+    b = threading.Thread(target=take, args=("b", 1))  # waits for a, which waits in the loader
+    b.start()
+    time.sleep(0.1)
+    it.close("closed by a third")
+    release.set()
+    a.join(5)
+    b.join(5)
+    for name in "ab":
+        assert isinstance(got[name], RuntimeError) and "closed by a third" in str(got[name]), got
+    assert log == ["closed"]
+    pf.close()
+
+
+def test_a_batch_that_cannot_be_handed_over_raises_in_its_place_and_the_epoch_goes_on():
+    """A batch of another structure than the static buffers': ValueError at its turn; the batches after
+    it still arrive, and the epoch ends as any other."""
+    data = [{"x": torch.zeros(2)}, {"x": torch.zeros(2), "y": torch.ones(1)}, {"x": torch.ones(2)},
+            {"x": torch.full((2,), 2.0)}]
+    pf = CudaPrefetcher(data, device="cpu", static=True)
+    it = iter(pf)
+    got = []
+    while True:
+        try:
+            batch, _ = next(it)
+            got.append(batch["x"][0].item())
+        except ValueError:
+            got.append("ValueError")
+        except StopIteration:
+            break
+    assert got == [0.0, "ValueError", 1.0, 2.0]
+    assert not it._finalizer.alive  # (the loader's iteration ended with the epoch)
+    pf.close()

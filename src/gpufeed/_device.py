@@ -129,7 +129,7 @@ class DeviceStage:
 
     def _to_cuda(self, hb: HostBatch) -> DeviceBatch:
         self._count += 1
-        if self._count % RECHECK_EVERY:
+        if self._count % RECHECK_EVERY and self.costs.loop_bytes > 0:
             flat = self._flat_on_loop_stream(hb)
             if flat is not None:
                 return flat

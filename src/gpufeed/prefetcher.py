@@ -219,7 +219,9 @@ class _Epoch:
 
     The iteration's steps are one generator (:func:`_handed`), which keeps what every batch uses in its
     locals; this object is the iterator the loop holds, the lock that serializes ``next()`` calls, and the
-    ``close()`` any thread may call.
+    ``close()`` any thread may call. A ``close()`` that finds a thread in ``next()`` leaves the epoch's end
+    to that thread, which ends it as it leaves ``next()``; a thread waiting for the lock then learns why.
+    A batch that cannot be handed over raises in its place, and the generator goes on.
 
     Invariants: ``ahead`` holds at most ``depth + 1`` items (device batches, then a Failure last), in the
     loader's order; an item is handed over once. The epoch's host batches come from a generator that owns
@@ -248,8 +250,20 @@ class _Epoch:
     def __next__(self) -> Any:
         if self._stop.done:
             self._stop.raise_()
-        with self._busy:
-            return self._step()
+        try:
+            with self._busy:
+                if self._stop.done:  # (stopped while this thread waited for the one in next())
+                    self._stop.raise_()
+                out = self._step()
+        finally:  # a close() from another thread while this one was in next() could not end the epoch:
+            if self._stop.done and self._busy.acquire(blocking=False):  # the thread that holds it does
+                try:
+                    self._finalizer()
+                finally:
+                    self._busy.release()
+        if type(out) is Failure:  # (handing the batch over failed: the generator goes on)
+            out.reraise()
+        return out
 
     def close(self, reason: str = "closed") -> None:
         """End this epoch now: the loader's iterator closes, and the batches taken ahead are dropped."""
@@ -291,10 +305,10 @@ def _handed(pf: CudaPrefetcher, batches: Iterator[Any], ahead: collections.deque
     taken = 0  # batches taken from the loader
     ended = False  # the loader is exhausted (or failed): nothing more to take
     while True:
-        mark = stats.mark()
-        if last is not None:
-            stage.asked(mark)
         try:
+            mark = stats.mark()
+            if last is not None:
+                stage.asked(mark)
             while not ended and len(ahead) <= depth and not stop.done:
                 t0 = perf()
                 try:
@@ -314,39 +328,49 @@ def _handed(pf: CudaPrefetcher, batches: Iterator[Any], ahead: collections.deque
                 except Exception as exc:  # (the loader's or the transform's) after the batches before it
                     ahead.append(Failure.caught(exc))
                     ended = True
+            hb = None
             item = ahead.popleft() if ahead else None
+            if stop.done:  # closed from another thread while this one read: this thread ends the iteration
+                if item is not None:
+                    ahead.appendleft(item)
+                end()
+                stop.raise_()
+            if type(item) is not DeviceBatch:  # the loader's end (None) or its error, every batch before
+                try:  # handed; the state after the end (a resumed run starts anew)
+                    if item is None and last is not None:
+                        state = loader.end_state()
+                        if state is not None:
+                            pf._state = state
+                    _account(stats, trace, mark, last, False)
+                finally:
+                    stop.stop("", kept)
+                    end()
+                if item is not None:
+                    item.reraise()
+                return
+            if last is None:  # an epoch counts once it hands out a batch (not a probing iter())
+                loader.epoch_started()
+            batch = stage.hand_over(item)
+            if static is not None:
+                batch = static.fill(batch)
+            if not stage.cuda:
+                kept.append(batch)
+            pf._state = item.state
+            item = None
+            last = _account(stats, trace, mark, last, not stage.cuda)
+            stats.batches += 1
+        except Exception as exc:  # handing this batch over failed (``static``'s fill): raised in its place,
+            if stop.done:  # and the epoch goes on, as a loader's next() that raised would let it
+                raise
+            batch, item = Failure.caught(exc), None
         except BaseException:  # Ctrl-C: the epoch ends now
             if not stop.done:
                 stop.stop("", kept)
                 end()
             raise
-        if stop.done:  # closed from another thread while this one read: this thread ends the iteration
-            if item is not None:
-                ahead.appendleft(item)
-            end()
-            stop.raise_()
-        if type(item) is not DeviceBatch:  # the loader's end (None) or its error, every batch before handed
-            if item is None and last is not None:  # its state after the end (a resumed run starts anew)
-                state = loader.end_state()
-                if state is not None:
-                    pf._state = state
-            _account(stats, trace, mark, last, False)
-            stop.stop("", kept)
-            end()
-            if item is not None:
-                item.reraise()
-            return
-        if last is None:  # an epoch counts once it hands out a batch (not a probing iter())
-            loader.epoch_started()
-        batch = stage.hand_over(item)
-        if static is not None:
-            batch = static.fill(batch)
-        if not stage.cuda:
-            kept.append(batch)
-        pf._state = item.state
-        last = _account(stats, trace, mark, last, not stage.cuda)
-        stats.batches += 1
-        yield batch
+        handed = [batch]  # (yielded from a list: the suspended frame keeps no reference to the batch)
+        batch = None
+        yield handed.pop()
 
 
 def _account(stats: PrefetchStats, trace: TraceRecorder | None, mark: tuple[float, float, float],
