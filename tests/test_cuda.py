@@ -148,9 +148,9 @@ def test_small_pageable_batches_are_pinned_and_copied_on_the_loop_s_stream_exact
 
 @pytest.mark.parametrize("kind", ["tensor", "tuple"])
 def test_a_small_batch_none_of_whose_leaves_pack_is_pinned_leaf_by_leaf_on_the_loop_s_stream(kind):
-    """A bare tensor, or a tuple whose one small leaf packs with none: each pageable leaf pinned as
-    ``pin_memory()`` + ``.to(non_blocking=True)`` would, a pinned leaf copied as it is (never staged), the
-    bytes exact while the host tensors are overwritten right after ``next()``."""
+    """A bare tensor, or a tuple whose one small leaf packs with none (the batches the flat path pins leaf
+    by leaf): on the loop's stream, the bytes exact, a pinned leaf never staged. (The stager's path would
+    deliver the same: which path ran is not observed here.)"""
     def batch(i):
         x = torch.full((1 << 16,), float(i))
         pinned = torch.full((1 << 15,), float(i)).pin_memory()

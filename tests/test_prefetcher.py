@@ -811,8 +811,14 @@ def test_a_close_from_another_thread_while_next_hands_over_ends_the_epoch_at_onc
     hand_over = pf._stage.hand_over
 
     def closed_meanwhile(item):
-        threading.Thread(target=it.close, args=("closed by another thread",)).start()
-        time.sleep(0.1)  # (the other thread's close() finds this one in next())
+        done = threading.Event()
+
+        def close():
+            it.close("closed by another thread")
+            done.set()
+
+        threading.Thread(target=close).start()
+        assert done.wait(5)  # (the other thread's close() found this one in next(), and returned)
         return hand_over(item)
 
     pf._stage.hand_over = closed_meanwhile
@@ -882,4 +888,43 @@ def test_a_batch_that_cannot_be_handed_over_raises_in_its_place_and_the_epoch_go
             break
     assert got == [0.0, "ValueError", 1.0, 2.0]
     assert not it._finalizer.alive  # (the loader's iteration ended with the epoch)
+    pf.close()
+
+
+def test_a_stop_iteration_while_handing_over_is_an_error_not_the_epoch_s_end():
+    pf = CudaPrefetcher([torch.full((1,), i) for i in range(4)], device="cpu")
+    hand_over = pf._stage.hand_over
+    calls = []
+
+    def second_raises(item):
+        calls.append(1)
+        if len(calls) == 2:
+            raise StopIteration
+        return hand_over(item)
+
+    pf._stage.hand_over = second_raises
+    it = iter(pf)
+    assert next(it).item() == 0
+    with pytest.raises(RuntimeError, match="StopIteration"):
+        next(it)
+    assert [b.item() for b in it] == [2, 3]  # (batch 1 lost in its place; the epoch went on)
+    pf.close()
+
+
+def test_an_error_before_a_batch_is_taken_ends_the_epoch_once():
+    """An error in next() outside a batch's hand-over (here the verdict's ask) cannot repeat forever:
+    raised once, and the epoch ends."""
+    pf = CudaPrefetcher([torch.full((1,), i) for i in range(4)], device="cpu")
+
+    def broken(mark):
+        raise OSError("broken")
+
+    pf._stage.asked = broken
+    it = iter(pf)
+    assert next(it).item() == 0
+    with pytest.raises(OSError):
+        next(it)
+    with pytest.raises(StopIteration):
+        next(it)
+    assert not it._finalizer.alive
     pf.close()

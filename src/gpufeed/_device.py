@@ -238,7 +238,8 @@ class DeviceStage:
         (:class:`~gpufeed._staging.Stager`), without the stager's grouping."""
         t0 = time.perf_counter()
         try:
-            held = [t if p else host_memory.pin(t) for t, p in zip(leaves, pinned, strict=True)]
+            # (contiguous first: a view pinned as it is would pin the whole span it covers)
+            held = [t if p else host_memory.pin(t.contiguous()) for t, p in zip(leaves, pinned, strict=True)]
         except PinnedUnavailable:
             self._pinning_failed()
             return [t.to(self.device) for t in leaves]

@@ -297,7 +297,8 @@ def _handed(pf: CudaPrefetcher, batches: Iterator[Any], ahead: collections.deque
             kept: collections.deque[Any], stop: _Stop, end: Callable[[], Any]) -> Iterator[Any]:
     """An epoch's batches, each handed over on the loop's stream: every step takes batches from the
     loader and issues their copies until ``depth`` are ahead of the next one (``ahead``), then hands that
-    one over. The loader's end, or its error in its batch's place, ends the epoch (``end``)."""
+    one over. The loader's end, or its error in its batch's place, ends the epoch (``end``); so does any
+    other error, but one handing a batch over, which arrives in that batch's place."""
     stage, stats, loader, trace = pf._stage, pf.stats, pf._loader, pf._trace
     fetch = _nvtx.ranged("gpufeed.fetch")(batches.__next__)
     depth, static, copy, perf = pf.depth, pf._static, stage.copy, time.perf_counter
@@ -348,22 +349,27 @@ def _handed(pf: CudaPrefetcher, batches: Iterator[Any], ahead: collections.deque
                 if item is not None:
                     item.reraise()
                 return
-            if last is None:  # an epoch counts once it hands out a batch (not a probing iter())
-                loader.epoch_started()
-            batch = stage.hand_over(item)
-            if static is not None:
-                batch = static.fill(batch)
-            if not stage.cuda:
-                kept.append(batch)
-            pf._state = item.state
-            item = None
-            last = _account(stats, trace, mark, last, not stage.cuda)
-            stats.batches += 1
-        except Exception as exc:  # handing this batch over failed (``static``'s fill): raised in its place,
-            if stop.done:  # and the epoch goes on, as a loader's next() that raised would let it
-                raise
-            batch, item = Failure.caught(exc), None
-        except BaseException:  # Ctrl-C: the epoch ends now
+            try:
+                batch = stage.hand_over(item)
+                if static is not None:
+                    batch = static.fill(batch)
+            except Exception as exc:  # this batch cannot be handed over (``static``'s fill): its error in
+                stage.drop(collections.deque([item]))  # its place, and the epoch goes on (as a loader's
+                if isinstance(exc, StopIteration):  # next() that raised would let it); PEP 479
+                    cause, exc = exc, RuntimeError("handing a batch over raised StopIteration")
+                    exc.__cause__ = cause
+                batch, item = Failure.caught(exc), None
+                last = _account(stats, trace, mark, last, False)
+            else:
+                if last is None:  # an epoch counts once it hands out a batch (not a probing iter())
+                    loader.epoch_started()
+                if not stage.cuda:
+                    kept.append(batch)
+                pf._state = item.state
+                item = None
+                last = _account(stats, trace, mark, last, not stage.cuda)
+                stats.batches += 1
+        except BaseException:  # anything else (Ctrl-C) ends the epoch now
             if not stop.done:
                 stop.stop("", kept)
                 end()
