@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from gpufeed import _forks, _nvtx, host_memory
-from gpufeed._staging import PACK_LEAF_BYTES, Stager
+from gpufeed._staging import Stager
 from gpufeed._starvation import GpuWaits
 from gpufeed._tree import flatten
 from gpufeed.host_memory import HostBatch, PinnedUnavailable, warn_pageable
@@ -199,23 +199,19 @@ class DeviceStage:
             return None
         if self.transform is not None:
             return None
-        nbytes = small = 0
+        nbytes = 0
         for t in leaves:
             if type(t) is not torch.Tensor or t.is_cuda:
                 return None
-            n = t.nbytes
-            nbytes += n
-            small += 0 < n <= PACK_LEAF_BYTES
+            nbytes += t.nbytes
         if nbytes >= self.costs.loop_bytes:
             return None
-        device = self.device
         pinned = [t.is_pinned() for t in leaves]
         if False not in pinned:
+            device = self.device
             out = [t.to(device, non_blocking=True) for t in leaves]
-        elif small < 2 and self.stager.parallel and self.pinning:
-            out = self._pin_each(leaves, pinned)
         else:
-            out = self._pageable_staged(leaves, pinned)
+            out = self._pageable_on_loop_stream(leaves, pinned)
         consumer = self.streams.current()
         if hb.lease is not None:  # the host memory goes back once the loop's stream has read it
             end = torch.cuda.Event()
@@ -232,27 +228,22 @@ class DeviceStage:
             moved = dict(zip(batch, out, strict=True)) if kind is dict else tuple(out)
         return DeviceBatch(moved, None, hb.state, consumer, None)
 
-    def _pin_each(self, leaves: list[torch.Tensor], pinned: list[bool]) -> list[torch.Tensor]:
-        """Each pageable leaf pinned, then every leaf copied with ``.to(non_blocking=True)``, as a loop that
-        pins its batch does: for leaves none of which would pack with another
-        (:class:`~gpufeed._staging.Stager`), without the stager's grouping."""
-        t0 = time.perf_counter()
-        try:
-            # (contiguous first: a view pinned as it is would pin the whole span it covers)
-            held = [t if p else host_memory.pin(t.contiguous()) for t, p in zip(leaves, pinned, strict=True)]
-        except PinnedUnavailable:
-            self._pinning_failed()
-            return [t.to(self.device) for t in leaves]
-        staged = sum([t.nbytes for t, p in zip(leaves, pinned, strict=True) if not p])
-        self.stats.add(staged_bytes=staged, stage_s=time.perf_counter() - t0)
-        device = self.device
-        return [h.to(device, non_blocking=True) for h in held]
-
-    def _pageable_staged(self, leaves: list[torch.Tensor], pinned: list[bool]) -> list[torch.Tensor]:
-        """Every leaf copied with ``.to(non_blocking=True)``, the pageable ones staged by the stager (packed
-        where several are small, pinned by one thread where it pins so)."""
+    def _pageable_on_loop_stream(self, leaves: list[torch.Tensor], pinned: list[bool]) -> list[torch.Tensor]:
+        """Every leaf copied with ``.to(non_blocking=True)``, the pageable ones staged first: where the stager
+        would send each alone, pinned one by one as a loop that pins its batch does, without the staging's
+        grouping (:meth:`~gpufeed._staging.Stager.each_alone`); else by :meth:`Stager.send` (packed)."""
         device = self.device
         host = [t for t, p in zip(leaves, pinned, strict=True) if not p]
+        if self.pinning and self.stager.each_alone(host):
+            t0 = time.perf_counter()
+            pin = self.stager.pinned
+            try:  # (contiguous first: a view pinned as it is would pin the whole span it covers)
+                held = [t if p else pin(t.contiguous()) for t, p in zip(leaves, pinned, strict=True)]
+            except PinnedUnavailable:  # (the staging below says so once, and copies from pageable memory)
+                pass
+            else:
+                self.stats.add(staged_bytes=sum([t.nbytes for t in host]), stage_s=time.perf_counter() - t0)
+                return [h.to(device, non_blocking=True) for h in held]
         sent = iter(self._staged(functools.partial(self.stager.send, host, device), host))
         return [t.to(device, non_blocking=True) if p else next(sent)
                 for t, p in zip(leaves, pinned, strict=True)]
@@ -325,14 +316,10 @@ class DeviceStage:
                 self.stats.add(staged_bytes=sum([t.nbytes for t in host]), stage_s=time.perf_counter() - t0)
                 return out
             except PinnedUnavailable:
-                self._pinning_failed()
+                self.pinning = False
+                self.stager.pin = False
+                warn_pageable("pinned allocation failed")
         return run()
-
-    def _pinning_failed(self) -> None:
-        """Pinned memory cannot be had: pageable tensors are copied from pageable memory from now on."""
-        self.pinning = False
-        self.stager.pin = False
-        warn_pageable("pinned allocation failed")
 
     def _transform(self, batch: Any, fresh: list[torch.Tensor],
                    consumer: Any) -> tuple[Any, list[torch.Tensor]]:

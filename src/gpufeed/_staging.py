@@ -97,12 +97,27 @@ class Stager:
         for group in self._groups(tensors):
             t = tensors[group[0]]
             if len(group) == 1 and 0 < t.nbytes <= self.chunk_bytes:
-                outs[group[0]] = self._pinned(t.contiguous()).to(device, non_blocking=True)
+                outs[group[0]] = self.pinned(t.contiguous()).to(device, non_blocking=True)
                 continue
             job = self._job(group, tensors, outs, device)  # (packed, or sent chunk by chunk, as prepare's)
             if job is not None:
                 job()
         return outs
+
+    def each_alone(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether :meth:`send` would send each of ``tensors`` alone, in one copy: no two pack together
+        (:meth:`_groups`) and none is larger than a chunk. Each is then :meth:`pinned`, then copied."""
+        packed, small = self._packed_at_most(), 0
+        for t in tensors:
+            n = t.nbytes
+            if n > self.chunk_bytes:
+                return False
+            small += 0 < n <= packed
+        return small < 2
+
+    def _packed_at_most(self) -> int:
+        """A tensor of more bytes than this is sent by itself (a packed block holds PACK_BYTES at most)."""
+        return min(PACK_LEAF_BYTES, self.chunk_bytes, PACK_BYTES)
 
     def _job(self, group: list[int], tensors: list[torch.Tensor], outs: list[Any],
              device: torch.device) -> Job | None:
@@ -118,7 +133,7 @@ class Stager:
         """The indices of ``tensors`` in the order they are sent: a tensor alone (larger than
         ``PACK_LEAF_BYTES``, or empty), or small ones packed together, up to ``PACK_BYTES`` a pack."""
         limit = min(self.chunk_bytes, PACK_BYTES)  # a packed block's size at most
-        alone = min(PACK_LEAF_BYTES, limit)  # a tensor larger than this is sent by itself
+        alone = self._packed_at_most()
         groups: list[list[int]] = []
         pack: list[int] = []  # the tensors of the next packed block
         size = 0  # their bytes, each rounded up to ALIGN
@@ -177,14 +192,15 @@ class Stager:
         """Pin ``t`` (chunk by chunk when larger than a chunk) and copy it into ``out``."""
         t = t.contiguous()
         if t.nbytes <= self.chunk_bytes:
-            out.copy_(self._pinned(t), non_blocking=True)
+            out.copy_(self.pinned(t), non_blocking=True)
             return
         src, dst = byte_view(t), byte_view(out)
         for a in range(0, src.numel(), self.chunk_bytes):
             piece = src[a : a + self.chunk_bytes]
-            dst[a : a + piece.numel()].copy_(self._pinned(piece), non_blocking=True)
+            dst[a : a + piece.numel()].copy_(self.pinned(piece), non_blocking=True)
 
-    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+    def pinned(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in pinned memory (a copy from pageable memory where pinning is off)."""
         if not self.pin:
             return t.clone()
         return host_memory.pin(t) if self.parallel else host_memory.pin_one_thread(t)

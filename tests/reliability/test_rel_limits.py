@@ -92,8 +92,8 @@ def test_stager_stages_a_tensor_many_chunks_long(chunk):
     src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
     stager = Stager(chunk, pin=False)
     staged = []
-    real = stager._pinned
-    stager._pinned = lambda t: (staged.append(t.numel()), real(t))[1]
+    real = stager.pinned
+    stager.pinned = lambda t: (staged.append(t.numel()), real(t))[1]
     outs, jobs = stager.prepare([src], torch.device("cpu"))
     assert len(outs) == 1 and outs[0].data_ptr() != src.data_ptr()
     for job in jobs:
