@@ -149,8 +149,8 @@ def test_small_pageable_batches_are_pinned_and_copied_on_the_loop_s_stream_exact
 @pytest.mark.parametrize("kind", ["tensor", "tuple"])
 def test_a_small_batch_none_of_whose_leaves_pack_is_pinned_leaf_by_leaf_on_the_loop_s_stream(kind):
     """A bare tensor, or a tuple whose one small leaf packs with none (the batches the flat path pins leaf
-    by leaf): on the loop's stream, the bytes exact, a pinned leaf never staged. (The stager's path would
-    deliver the same: which path ran is not observed here.)"""
+    by leaf): on the loop's stream, the bytes exact, a pinned leaf never staged; each pageable leaf pinned
+    once by the stager's pin, never through ``Stager.send`` (the stager's own path on the loop's stream)."""
     def batch(i):
         x = torch.full((1 << 16,), float(i))
         pinned = torch.full((1 << 15,), float(i)).pin_memory()
@@ -161,6 +161,9 @@ def test_a_small_batch_none_of_whose_leaves_pack_is_pinned_leaf_by_leaf_on_the_l
     if kind == "tuple":
         src = [(x, y, data[i][2]) for i, (x, y, _) in enumerate(src)]  # (the pinned leaf is read as it is)
     with CudaPrefetcher(src) as pf:
+        calls = {"send": 0, "pinned": 0}
+        for name in calls:  # (spies on the stager's two ways to pin)
+            setattr(pf._stage.stager, name, _counted(getattr(pf._stage.stager, name), name, calls))
         got = []
         for i, b in enumerate(pf):
             got.append(b)
@@ -176,6 +179,14 @@ def test_a_small_batch_none_of_whose_leaves_pack_is_pinned_leaf_by_leaf_on_the_l
     assert pf.stats.loop_stream_batches >= 36
     pinned = 0 if kind == "tensor" else 40 * (1 << 17)
     assert pf.stats.staged_bytes == pf.stats.bytes - pinned
+    assert calls == {"send": 0, "pinned": 40 * (1 if kind == "tensor" else 2)}  # (the copy stream's too)
+
+
+def _counted(fn, name, calls):
+    def counted(*args):
+        calls[name] += 1
+        return fn(*args)
+    return counted
 
 
 def test_a_batch_the_loop_lets_go_of_is_freed_before_its_next_call():
