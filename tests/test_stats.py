@@ -226,50 +226,6 @@ def test_gpu_bound_steps_wait_for_nothing(clock):
     assert stats.step_us == pytest.approx(10_000) and stats.verdict().label == "ok"
 
 
-def test_the_spare_time_is_the_idle_in_next_where_the_gpu_ran_dry_and_none_where_it_lags(clock):
-    """``idle_s``, what the stream choice adds to the copy stream's calls: a loop bound by its thread
-    (the GPU done with the step 3 ms before the hand-over) has 3 ms a next() to spare; once the GPU lags
-    (the step not done at the hand-over), none, though a copy on the loop's stream then still runs
-    between the two events."""
-    stats = PrefetchStats(device="cuda")
-    meter = starvation.GpuWaits(stats)
-    meter.new_epoch()
-    for k in range(1, 40):
-        _batch(meter, clock, asked=0.01 * k, handed=0.01 * k + 0.003, copied=-1.0, gpu_now=0.01 * k + 0.003)
-    clock.now = 1.0
-    meter.refresh()
-    assert meter.idle_s == pytest.approx(0.003, rel=1e-3)  # (a moving average, from 0)
-    for k in range(40, 80):  # (each call's copy on the loop's stream: no copy event)
-        clock.at, clock.now = 0.01 * k, 0.01 * k - 0.001
-        meter.asked(lambda: "s", (time.perf_counter() - 1.0, 0.0, 0.0))
-        meter.inline = True
-        clock.at = 0.01 * k + 0.003
-        meter.handed("s", None)
-    clock.now = 2.0
-    meter.refresh()
-    assert meter.idle_s == pytest.approx(0.0, abs=1e-6)
-
-
-def test_a_copy_goes_on_the_loop_s_stream_where_it_fits_in_the_calls_and_the_spare_time():
-    """``_Costs.loop_bytes``: the bytes a copy crosses the link in the copy stream's calls (a 4 us latency,
-    50 GB/s), plus the loop's stream's spare time as the meter last read it; none without a meter."""
-    from types import SimpleNamespace
-
-    from gpufeed._device import _Costs
-
-    meter = SimpleNamespace(idle_s=0.0)
-    costs, unmetered = _Costs((4e-6, 50e9), meter), _Costs((4e-6, 50e9))
-    for c in (costs, unmetered):
-        c.side_calls(12e-6)
-        c.side_wait(8e-6)
-    assert costs.loop_bytes == unmetered.loop_bytes == pytest.approx(16e-6 * 50e9)
-    meter.idle_s = 100e-6  # (read at the next timed batch)
-    for c in (costs, unmetered):
-        c.side_calls(12e-6)
-    assert costs.loop_bytes == pytest.approx(116e-6 * 50e9)
-    assert unmetered.loop_bytes == pytest.approx(16e-6 * 50e9)
-
-
 def test_a_gpu_bound_batch_costs_one_event_and_three_queries(clock):
     """The GPU two steps behind, every copy done by its hand-over: one event, a few queries and one
     elapsed time (its period) a batch."""

@@ -89,8 +89,8 @@ class DeviceStage:
         self.stager = Stager(pin=self.cuda, parallel=parallel_pin)
         self.pinning = self.cuda  # pageable tensors are staged through pinned memory (until it fails)
         self._fence = torch.cuda.Event() if self.cuda else None
+        self.costs = _Costs(link_cost(device) if self.cuda else None)
         self.meter = GpuWaits(stats) if self.cuda and measure else None
-        self.costs = _Costs(link_cost(device) if self.cuda else None, self.meter)
         if self.meter is not None:  # (weak: the meter holds the stats, and no cycle may hold CUDA objects)
             stats._refresh = weakref.WeakMethod(self.meter.refresh)
         self._timed: list[tuple[Any, Any, int]] = []  # (start, end, bytes) of sampled batches in flight
@@ -403,23 +403,19 @@ class _Costs:
 
     The copy stream lets a copy overlap the loop's kernels, and costs the loop's thread its own calls (a
     fence, an event, the hand-over's wait: tens of microseconds, more while the GPU is busy). The loop's
-    stream costs none of them, and puts the copy in line with the loop's kernels, which it delays only by
-    what it takes beyond the time that stream would sit idle. So a batch goes on the loop's stream when
-    its copy takes less time on the GPU than the copy stream's calls take the loop's thread plus the loop's
-    stream's spare time a ``next()``: the copy's time from the link's latency and rate (:func:`link_cost`,
-    measured once); the calls on the timed batches copied on the copy stream (every batch until known, then
-    one in ``TIME_EVERY``; of the batches that would go on the loop's stream, one in ``RECHECK_EVERY``), as
-    a moving average, so the choice follows the loop's load; the spare time as the verdict's events measure
-    it (``GpuWaits.idle_s``: none without them, ``measure=False``), read at those same batches. Nothing is
-    tuned to a card.
+    stream costs none of them, and puts the copy in line with the loop's kernels. So a batch goes on the
+    loop's stream when its copy takes less time on the GPU than the copy stream's calls take the loop's
+    thread: the copy's time from the link's latency and rate (:func:`link_cost`, measured once), the calls
+    on the timed batches copied on the copy stream (every batch until known, then one in ``TIME_EVERY``;
+    of the batches that would go on the loop's stream, one in ``RECHECK_EVERY``), as a moving average, so
+    the choice follows the loop's load. Nothing is tuned to a card.
     """
 
-    def __init__(self, link: tuple[float, float] | None, meter: GpuWaits | None = None) -> None:
+    def __init__(self, link: tuple[float, float] | None) -> None:
         self.link = link  # (latency s, bytes a second) of a pinned copy; None: not known, no loop stream
-        self.meter = meter
         self.calls_s: float | None = None  # the copy stream's calls, a batch (issue and hand-over)
         #: A batch of fewer bytes goes on the loop's stream: its copy, ``latency + bytes / rate``, takes less
-        #: than ``calls_s`` plus the spare time (0 until the calls are known: every batch on the copy stream)
+        #: than ``calls_s`` (0 until both are known: every batch on the copy stream)
         self.loop_bytes = 0.0
         self._issue_s: float | None = None
         self._wait_s: float | None = None
@@ -440,8 +436,7 @@ class _Costs:
             self.calls_s = self._issue_s + self._wait_s
             if self.link is not None:
                 latency, rate = self.link
-                spare = self.meter.idle_s if self.meter is not None else 0.0
-                self.loop_bytes = (self.calls_s + spare - latency) * rate
+                self.loop_bytes = (self.calls_s - latency) * rate
 
 
 _LINKS: dict[int, tuple[float, float]] = {}

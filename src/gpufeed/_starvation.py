@@ -31,7 +31,6 @@ class _Pending(NamedTuple):
     asked: Any  # timing event on the loop's stream, recorded when next() started
     handed: Any  # timing event there at the hand-over, or None where ``asked`` had not completed by then
     copied: Any  # the batch's copy event, or None where it had completed by the hand-over (or there is none)
-    drained: bool  # ``asked`` had completed by the hand-over: the GPU ran out of the loop's work in next()
     stream: Any  # the loop's stream
     epoch: int
     index: int  # the call's number: a measured batch stands for the calls since the one measured before
@@ -68,12 +67,6 @@ class GpuWaits:
     measured in such pairs, one in about ``SAMPLE``: ``waited_s / span_s`` is then the waits' share of the
     periods sampled, at most 1, and ``waited_batches`` the batches counted.
 
-    ``idle_s`` is the loop's stream's spare time a ``next()``: over the measured batches (a moving average),
-    ``handed - asked`` where the GPU ran out of the loop's work before the hand-over, 0 where it had not (the
-    GPU is the bound). A copy on the loop's stream that takes less fits in time the GPU would sit idle
-    (:class:`~gpufeed._device._Costs`); such a copy is in its own call's ``handed - asked``, which that time
-    then still covers.
-
     Invariants: nothing here waits for the GPU on the loop's thread: events are read only once a later
     event of the same stream has completed (the stream waited on the batch's ``copied`` before it), at
     most a few a call; :meth:`refresh` reads what the GPU has reached, :meth:`close` waits for the rest.
@@ -83,7 +76,6 @@ class GpuWaits:
     def __init__(self, stats: PrefetchStats) -> None:
         self.stats = stats
         self.inline = False  # the current call issued a copy on the loop's stream
-        self.idle_s = 0.0  # the loop's stream's spare time a next() (see the class)
         self._free: list[Any] = []
         self._pending: collections.deque[_Pending] = collections.deque()
         self._asked: tuple[Any, tuple[float, float, float], int] | None = None  # (event, mark, index)
@@ -133,16 +125,14 @@ class GpuWaits:
         if copied is not None and _query(copied):  # done before the stream could be ready: no copy wait
             copied = None
         handed = None
-        drained = bool(_query(asked))
-        if self.inline or drained:
+        if self.inline or _query(asked):
             handed = self._take()
             _record(handed, stream)
         dt = time.perf_counter() - t0
         stats = self.stats
         fetch = (stats.fetch_s - fetch0) / dt if dt > 0 else 0.0
         stage = (stats.stage_s - stage0) / dt if dt > 0 else 0.0
-        self._pending.append(_Pending(asked, handed, copied, drained, stream, self._epoch, index, fetch,
-                                      stage))
+        self._pending.append(_Pending(asked, handed, copied, stream, self._epoch, index, fetch, stage))
         if self._lock.acquire(blocking=False):  # (else a refresh on another thread reads them)
             try:
                 self._collect(_COLLECT if len(self._pending) < _BACKLOG else 2 * _COLLECT, keep=1)
@@ -181,7 +171,6 @@ class GpuWaits:
         idle = max(0.0, _elapsed(p.asked, p.handed) / 1e3) if p.handed is not None else 0.0
         copy = _elapsed(p.asked, p.copied) / 1e3 if p.copied is not None else 0.0
         wait = max(idle, copy)
-        self.idle_s = 0.75 * self.idle_s + 0.25 * (idle if p.drained else 0.0)
         if p.handed is not None:
             self._free.append(p.handed)
         before, self._before = self._before, (p.asked, wait, p.epoch, p.index, p.stream)
