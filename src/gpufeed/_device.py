@@ -231,19 +231,15 @@ class DeviceStage:
     def _pageable_on_loop_stream(self, leaves: list[torch.Tensor], pinned: list[bool]) -> list[torch.Tensor]:
         """Every leaf copied with ``.to(non_blocking=True)``, the pageable ones staged first: where the stager
         would send each alone, pinned one by one as a loop that pins its batch does, without the staging's
-        grouping (:meth:`~gpufeed._staging.Stager.each_alone`); else by :meth:`Stager.send` (packed)."""
+        grouping (:meth:`~gpufeed._staging.Stager.each_alone`); else by :meth:`Stager.send` (packed). Both
+        through :meth:`_staged`: its accounting, and its one fallback where pinning fails."""
         device = self.device
         host = [t for t, p in zip(leaves, pinned, strict=True) if not p]
-        if self.pinning and self.stager.each_alone(host):
-            t0 = time.perf_counter()
-            pin = self.stager.pinned
-            try:  # (contiguous first: a view pinned as it is would pin the whole span it covers)
-                held = [t if p else pin(t.contiguous()) for t, p in zip(leaves, pinned, strict=True)]
-            except PinnedUnavailable:  # (the staging below says so once, and copies from pageable memory)
-                pass
-            else:
-                self.stats.add(staged_bytes=sum([t.nbytes for t in host]), stage_s=time.perf_counter() - t0)
-                return [h.to(device, non_blocking=True) for h in held]
+        if self.stager.each_alone(host):
+            pin = self.stager.pinned  # (contiguous first: a view pinned as it is pins the span it covers)
+            held = self._staged(lambda: [t if p else pin(t.contiguous())
+                                         for t, p in zip(leaves, pinned, strict=True)], host)
+            return [h.to(device, non_blocking=True) for h in held]
         sent = iter(self._staged(functools.partial(self.stager.send, host, device), host))
         return [t.to(device, non_blocking=True) if p else next(sent)
                 for t, p in zip(leaves, pinned, strict=True)]
