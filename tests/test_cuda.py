@@ -1,12 +1,13 @@
 """CUDA specifics, run on the GPU machine (`pytest -m cuda`): streams, events, memory, exact bytes."""
 
 import gc
+import time
 import weakref
 
 import pytest
 import torch
 
-from gpufeed import CudaPrefetcher
+from gpufeed import CudaPrefetcher, _gpu_idle
 
 pytestmark = pytest.mark.cuda
 
@@ -124,6 +125,41 @@ def test_small_batches_go_on_the_loop_s_stream_once_their_copy_costs_less_than_t
     with CudaPrefetcher(big) as pf:
         assert [float(b[-1]) for b in pf] == [float(i) for i in range(8)]
     assert pf.stats.loop_stream_batches == 0
+
+
+def test_a_batch_goes_on_the_loop_s_stream_where_the_gpu_idles_long_enough_to_absorb_its_copy():
+    """16 MiB pinned batches (a copy of about 300 us, more than the copy stream's calls). A loop bound by
+    its thread (3 ms of CPU a step, no kernel) leaves the GPU idle: once NVML has read it, the batches go on
+    the loop's stream. A loop bound by its GPU (a 3 ms kernel a step, then a synchronize, as ``loss.item()``)
+    leaves it idle only between steps: they stay on the copy stream. Both deliver exact bytes."""
+    if _gpu_idle.busy_reader(torch.device("cuda")) is None:
+        pytest.skip("NVML's utilization cannot be read here (nvidia-ml-py, the driver)")
+    host = [torch.full((4 << 20,), float(i)).pin_memory() for i in range(8)]
+    data = [host[i % 8] for i in range(600)]
+    cycles = _sleep_cycles(0.003)
+    for bound, step in (("thread", lambda: time.sleep(0.003)),
+                        ("gpu", lambda: (torch.cuda._sleep(cycles), torch.cuda.synchronize()))):
+        with CudaPrefetcher(data) as pf:
+            got = []
+            for b in pf:
+                got.append(float(b[-1]))
+                step()
+            assert got == [float(i % 8) for i in range(600)]
+            late = pf.stats.loop_stream_batches
+        if bound == "thread":
+            assert pf._stage.costs.idle_s > 0.002 and late > 200, (pf._stage.costs.idle_s, late)
+        else:
+            assert pf._stage.costs.idle_s < 0.0006 and late < 10, (pf._stage.costs.idle_s, late)
+
+
+def _sleep_cycles(seconds: float) -> int:
+    """``torch.cuda._sleep``'s cycles for about ``seconds``, timed on this GPU."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    end.synchronize()
+    return int(1_000_000 * seconds / (start.elapsed_time(end) / 1e3))
 
 
 def test_small_pageable_batches_are_pinned_and_copied_on_the_loop_s_stream_exactly():

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from gpufeed import _forks, _nvtx, host_memory
+from gpufeed._gpu_idle import GpuIdle, busy_reader
 from gpufeed._staging import Stager
 from gpufeed._starvation import GpuWaits
 from gpufeed._tree import flatten
@@ -49,9 +50,10 @@ class DeviceStage:
     """Copies host batches to ``device`` and hands them to the consumer's stream.
 
     A batch is copied on the copy stream, overlapping the loop's kernels, unless its copy takes less time
-    than the copy stream's own calls cost the loop's thread: then on the loop's own stream, in line with
-    its kernels, as ``.to(non_blocking=True)`` in the loop would (:class:`_Costs` decides, from the link's
-    latency and rate, :func:`link_cost`, and the calls measured as the loop runs).
+    than the copy stream's own calls cost the loop's thread, or than half the GPU's idle time a step: then
+    on the loop's own stream, in line with its kernels, as ``.to(non_blocking=True)`` in the loop would
+    (:class:`_Costs` decides, from the link's latency and rate, :func:`link_cost`, the calls measured as
+    the loop runs, and :class:`~gpufeed._gpu_idle.GpuIdle`).
 
     Invariants (CUDA):
 
@@ -89,7 +91,10 @@ class DeviceStage:
         self.stager = Stager(pin=self.cuda, parallel=parallel_pin)
         self.pinning = self.cuda  # pageable tensors are staged through pinned memory (until it fails)
         self._fence = torch.cuda.Event() if self.cuda else None
-        self.costs = _Costs(link_cost(device) if self.cuda else None)
+        link = link_cost(device) if self.cuda else None
+        self.costs = _Costs(link)
+        busy = busy_reader(device) if link is not None else None
+        self.idle = GpuIdle(busy, stats, link) if busy is not None else None
         self.meter = GpuWaits(stats) if self.cuda and measure else None
         if self.meter is not None:  # (weak: the meter holds the stats, and no cycle may hold CUDA objects)
             stats._refresh = weakref.WeakMethod(self.meter.refresh)
@@ -344,8 +349,20 @@ class DeviceStage:
 
     # -- hand-over ---------------------------------------------------------------------------------
 
+    def new_epoch(self) -> None:
+        """An epoch starts (or a ``ToDevice`` resets): its first batch is its start-up for the verdict, and
+        the GPU's idle time is read anew."""
+        if self.meter is not None:
+            self.meter.new_epoch()
+        if self.idle is not None:
+            self.idle.restart()
+
     def asked(self, mark: tuple[float, float, float]) -> None:
         """The loop asked for its next batch (``mark``: when, and ``fetch_s``, ``stage_s`` then)."""
+        if self.idle is not None and mark[0] >= self.idle.due:
+            idle = self.idle.read(mark[0])
+            if idle is not None:
+                self.costs.spare(idle)
         if self.meter is not None:
             self.meter.asked(self.streams.current, mark)
 
@@ -404,15 +421,24 @@ class _Costs:
     thread: the copy's time from the link's latency and rate (:func:`link_cost`, measured once), the calls
     on the timed batches copied on the copy stream (every batch until known, then one in ``TIME_EVERY``;
     of the batches that would go on the loop's stream, one in ``RECHECK_EVERY``), as a moving average, so
-    the choice follows the loop's load. Nothing is tuned to a card.
+    the choice follows the loop's load.
+
+    A copy also goes on the loop's stream where it takes less than half the time the GPU idles a step
+    besides it (``idle_s``, where NVML reads it): a loop bound by the thread that launches its kernels
+    leaves the GPU idle between them, and that idle time absorbs the copy, while the copy stream's calls
+    would lengthen the step. Half: the idle time before the copy is issued (while the loop is in
+    ``next()``, all of it in a loop that synchronizes each step) absorbs none of it. Nothing is tuned to a
+    card.
     """
 
     def __init__(self, link: tuple[float, float] | None) -> None:
         self.link = link  # (latency s, bytes a second) of a pinned copy; None: not known, no loop stream
         self.calls_s: float | None = None  # the copy stream's calls, a batch (issue and hand-over)
         #: A batch of fewer bytes goes on the loop's stream: its copy, ``latency + bytes / rate``, takes less
-        #: than ``calls_s`` (0 until both are known: every batch on the copy stream)
+        #: than ``calls_s`` or ``idle_s / 2`` (0 until ``calls_s`` and the link are known: every batch on the
+        #: copy stream)
         self.loop_bytes = 0.0
+        self.idle_s = 0.0  # the GPU's idle time a step, where NVML reads it (0: not known)
         self._issue_s: float | None = None
         self._wait_s: float | None = None
 
@@ -427,12 +453,17 @@ class _Costs:
         self._wait_s = _average(self._wait_s, seconds)
         self._update()
 
+    def spare(self, idle_s: float) -> None:
+        """The GPU idles ``idle_s`` a step (:class:`~gpufeed._gpu_idle.GpuIdle`)."""
+        self.idle_s = idle_s
+        self._update()
+
     def _update(self) -> None:
         if self._issue_s is not None and self._wait_s is not None:
             self.calls_s = self._issue_s + self._wait_s
-            if self.link is not None:
-                latency, rate = self.link
-                self.loop_bytes = (self.calls_s - latency) * rate
+        if self.calls_s is not None and self.link is not None:
+            latency, rate = self.link
+            self.loop_bytes = (max(self.calls_s, self.idle_s / 2) - latency) * rate
 
 
 _LINKS: dict[int, tuple[float, float]] = {}

@@ -113,6 +113,7 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
         self._ended = False
         self._handed = 0
         self._last_t = None
+        self._stage.new_epoch()
 
     def next(self) -> Any:
         stats = self.stats

@@ -241,8 +241,7 @@ class _Epoch:
         self._finalizer = weakref.finalize(self, _end_epoch, batches, self._ahead, pf._stage)
         # (the generator holds no reference to this object: collecting it ends the epoch at once)
         self._step = _handed(pf, batches, self._ahead, self._kept, self._stop, self._finalizer).__next__
-        if pf._stage.meter is not None:
-            pf._stage.meter.new_epoch()
+        pf._stage.new_epoch()
 
     def __iter__(self) -> _Epoch:
         return self
