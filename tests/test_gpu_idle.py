@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from gpufeed import PrefetchStats
 from gpufeed._device import _Costs
@@ -21,33 +22,56 @@ def _served(stats: PrefetchStats, batches: int, period_s: float, nbytes: int = 0
     stats.loop_stream_batches += inline
 
 
-def test_the_idle_time_is_the_idle_share_of_the_loop_s_period_since_the_reading_before():
+def test_the_idle_time_is_the_idle_share_of_the_loop_s_period_the_smaller_of_two_readings():
     stats = PrefetchStats(device="cuda")
     busy = [0.25]
     idle = GpuIdle(lambda: busy[0], stats, LINK)
     assert idle.due == 0.0
     assert idle.read(10.0) is None  # (the first call starts the first period)
     assert idle.due == 10.0 + EVERY_S
-    _served(stats, 100, 0.004, nbytes=1 << 20)  # (on the copy stream: its copies overlap, not added)
-    assert idle.read(11.0) == pytest.approx(0.75 * 0.004)
+    _served(stats, 100, 0.004, nbytes=1 << 20)  # (on the copy stream: its copies are not added back)
+    assert idle.read(11.0) is None  # (a first reading: 3 ms, held until a second one)
+    _served(stats, 100, 0.004)
+    assert idle.read(12.0) == pytest.approx(0.75 * 0.004)
     busy[0] = 1.0
     _served(stats, 50, 0.002)  # (only the batches since the reading before)
-    assert idle.read(12.0) == pytest.approx(0.0)
-    assert idle.read(13.0) is None  # no batch served since
-    assert idle.due == 13.0 + EVERY_S
+    assert idle.read(13.0) == pytest.approx(0.0)  # (down at once)
+    assert idle.read(14.0) is None  # no batch served since
+    assert idle.due == 14.0 + EVERY_S
+
+
+def test_a_pause_inside_an_epoch_does_not_move_the_copies():
+    """An evaluation of 3 s inside an epoch of 10 ms GPU-bound steps: the period that holds it reads an idle
+    GPU over a long mean step, once; the smaller of two readings keeps the loop's figure."""
+    stats = PrefetchStats(device="cuda")
+    busy = [0.99]
+    idle = GpuIdle(lambda: busy[0], stats, LINK)
+    idle.read(0.0)
+    _served(stats, 100, 0.010)
+    idle.read(1.0)
+    _served(stats, 100, 0.010)
+    assert idle.read(2.0) == pytest.approx(0.01 * 0.010)
+    busy[0] = 0.0  # (NVML's last sample: the pause)
+    _served(stats, 75, 0.010 + 3.0 / 75)
+    assert idle.read(5.0) == pytest.approx(0.01 * 0.010)
+    busy[0] = 0.99
+    _served(stats, 100, 0.010)
+    assert idle.read(6.0) == pytest.approx(0.01 * 0.010)
 
 
 def test_the_copies_on_the_loop_s_stream_are_added_back_to_the_idle_time():
-    """NVML counts a copy as busy: the idle time is the same whichever stream the copies went on. Here half
-    the batches (10 MB, 204 us a copy on the link) went on the loop's stream."""
+    """NVML counts a copy as busy: moving copies onto the loop's stream does not shrink the idle time read.
+    Here half the batches (10 MB, 204 us a copy on the link) went on the loop's stream."""
     stats = PrefetchStats(device="cuda")
     idle = GpuIdle(lambda: 0.5, stats, LINK)
     idle.read(0.0)
-    _served(stats, 100, 0.002, nbytes=10_000_000, inline=50)
-    assert idle.read(1.0) == pytest.approx(0.5 * 0.002 + 0.5 * (4e-6 + 10_000_000 / 50e9))
+    for t in (1.0, 2.0):
+        _served(stats, 100, 0.002, nbytes=10_000_000, inline=50)
+        got = idle.read(t)
+    assert got == pytest.approx(0.5 * 0.002 + 0.5 * (4e-6 + 10_000_000 / 50e9))
 
 
-def test_a_reader_that_fails_turns_the_reading_off_for_good():
+def test_a_reader_that_fails_reads_no_idle_time_and_is_not_called_again():
     stats = PrefetchStats(device="cuda")
     calls = []
 
@@ -58,9 +82,10 @@ def test_a_reader_that_fails_turns_the_reading_off_for_good():
     idle = GpuIdle(broken, stats, LINK)
     idle.read(0.0)
     _served(stats, 10, 0.01)
-    assert idle.read(1.0) is None and idle.due == math.inf
+    assert idle.read(1.0) == 0.0 and idle.due == math.inf
+    idle.restart()
     _served(stats, 10, 0.01)
-    assert idle.read(2.0) is None and calls == [1]
+    assert idle.due == math.inf and idle.read(2.0) is None and calls == [1]
 
 
 def test_a_copy_goes_on_the_loop_s_stream_where_it_takes_less_than_the_calls_or_half_the_idle_time():
@@ -83,8 +108,49 @@ def test_an_epoch_s_first_reading_starts_a_period_and_reads_nothing():
     idle = GpuIdle(lambda: 0.0, stats, LINK)
     idle.read(0.0)
     _served(stats, 10, 0.01)
+    idle.read(1.0)
     idle.restart()
     assert idle.due == 0.0
     assert idle.read(5.0) is None and idle.due == 5.0 + EVERY_S
-    _served(stats, 10, 0.02)
-    assert idle.read(6.0) == pytest.approx(0.02)
+    for t in (6.0, 7.0):
+        _served(stats, 10, 0.02)
+        got = idle.read(t)
+    assert got == pytest.approx(0.02)
+
+
+class _StubIdle:
+    """A GpuIdle stand-in: counts restarts, reads ``value`` at every call."""
+
+    def __init__(self, value: float) -> None:
+        self.value, self.restarts, self.reads, self.due = value, 0, 0, 0.0
+
+    def restart(self) -> None:
+        self.restarts += 1
+
+    def read(self, now: float) -> float:
+        self.reads += 1
+        return self.value
+
+
+def test_each_epoch_restarts_the_reading_and_each_next_applies_what_it_reads():
+    from gpufeed import CudaPrefetcher
+
+    data = [torch.full((4,), float(i)) for i in range(5)]
+    with CudaPrefetcher(data, device="cpu") as pf:
+        stub = pf._stage.idle = _StubIdle(0.004)
+        for epoch in (1, 2):
+            assert [float(b[0]) for b in pf] == [float(i) for i in range(5)]
+            assert stub.restarts == epoch
+        assert stub.reads == 2 * 5  # (every next() but an epoch's first: its start-up)
+        assert pf._stage.costs.idle_s == 0.004
+
+
+def test_a_todevice_reset_restarts_the_reading():
+    tn = pytest.importorskip("torchdata.nodes", reason="torchdata >= 0.10 is not installed")
+    from gpufeed.nodes import ToDevice
+
+    node = ToDevice(tn.IterableWrapper([torch.ones(2)] * 3), device="cpu")
+    stub = node._stage.idle = _StubIdle(0.0)
+    node.reset()
+    assert len(list(tn.Loader(node))) == 3
+    assert stub.restarts >= 2  # (this reset, and the Loader's at iter())

@@ -351,7 +351,7 @@ class DeviceStage:
 
     def new_epoch(self) -> None:
         """An epoch starts (or a ``ToDevice`` resets): its first batch is its start-up for the verdict, and
-        the GPU's idle time is read anew."""
+        the GPU's idle time is read anew (:meth:`GpuIdle.restart <gpufeed._gpu_idle.GpuIdle.restart>`)."""
         if self.meter is not None:
             self.meter.new_epoch()
         if self.idle is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 
 import torch
@@ -12,12 +13,23 @@ from gpufeed.stats import PrefetchStats
 #: Seconds between two readings: NVML's utilization covers its last sample period, 1/6 s to 1 s by the card.
 EVERY_S = 1.0
 
+_READERS: dict[int, Callable[[], float] | None] = {}
+_READERS_LOCK = threading.Lock()
+
 
 def busy_reader(device: torch.device) -> Callable[[], float] | None:
     """A function returning the share (0 to 1) of NVML's last sample period in which ``device`` ran a
     kernel or a copy (any process's); None where NVML cannot say: nvidia-ml-py not installed, no NVIDIA
-    driver, a device that does not report it (a MIG instance). The device is found by its UUID, whatever
-    ``CUDA_VISIBLE_DEVICES`` renumbers (``torch.cuda.utilization`` maps it anew at every call: 1.9 ms)."""
+    driver, a device that does not report it (a MIG instance). Made once a process and device. The device
+    is found by its UUID, whatever ``CUDA_VISIBLE_DEVICES`` renumbers (``torch.cuda.utilization`` maps it
+    anew at every call: 1.9 ms, against 44 us for the reading alone)."""
+    with _READERS_LOCK:
+        if device.index not in _READERS:
+            _READERS[device.index] = _nvml_reader(device)
+        return _READERS[device.index]
+
+
+def _nvml_reader(device: torch.device) -> Callable[[], float] | None:
     try:
         import pynvml
 
@@ -34,44 +46,57 @@ def busy_reader(device: torch.device) -> Callable[[], float] | None:
 
 
 class GpuIdle:
-    """The GPU's idle time a step, besides the copies on the loop's stream: ``(1 - busy) x period`` plus
-    those copies' time a step. ``period`` is the loop's mean period since the reading before (``stats``:
-    its wall time over the batches served), ``busy`` the share of NVML's last sample period in which the GPU
-    ran a kernel or a copy. NVML counts a copy as busy time, so the copies the stream choice put on the
-    loop's stream (``latency + bytes / rate`` each, from ``link``) are added back: the idle time read is
-    then the same whichever stream they went on. Read at most once every ``EVERY_S``, on the loop's thread
-    (:meth:`read`, when ``due``); never again once the reader failed.
+    """The GPU's idle time a step, besides the copies on the loop's stream.
+
+    Each reading is ``(1 - busy) x period`` plus those copies' time a step: ``period`` is the loop's mean
+    period since the reading before (``stats``: its wall time over the batches served), ``busy`` the share
+    of NVML's last sample period in which the GPU ran a kernel or a copy. NVML counts a copy as busy time,
+    so the copies the stream choice put on the loop's stream (``latency + bytes / rate`` each, from
+    ``link``, at the period's mean batch size) are added back: moving them there does not shrink the idle
+    time read. (Copies on the copy stream that fall in the GPU's idle gaps still count as busy: the reading
+    errs towards the copy stream.)
+
+    :meth:`read` returns the smaller of the last two readings: a pause inside an epoch (an evaluation, a
+    checkpoint) makes one period long and NVML's sample idle, and takes a single reading far above the
+    loop's. Read at most once every ``EVERY_S`` (``due``), on the loop's thread. Where the reader fails,
+    every reading is 0 from then on: the copy stream's calls alone decide.
     """
 
     def __init__(self, busy: Callable[[], float], stats: PrefetchStats, link: tuple[float, float]) -> None:
-        self._busy: Callable[[], float] | None = busy
+        self._busy = busy
         self.stats = stats
         self.link = link  # (latency s, bytes a second) of a pinned copy
         self.due = 0.0  # perf_counter time of the next reading
         self._seen: tuple[int, float, int, int] | None = None  # the counters at the reading before
+        self._last: float | None = None  # the reading before
 
     def restart(self) -> None:
-        """An epoch starts: the next reading starts a period (NVML's last sample period then covers the
-        pause between epochs, not the loop)."""
-        self._seen = None
-        if self._busy is not None:
+        """An epoch starts: the next call starts a period (NVML's last sample period then covers the pause
+        between epochs, not the loop), and two readings of this epoch make the first value; until then the
+        idle time read last holds."""
+        self._seen = self._last = None
+        if self.due != math.inf:
             self.due = 0.0
 
     def read(self, now: float) -> float | None:
-        """The idle seconds a step since the reading before; None at the first call (it starts the first
-        period), where no batch was served since, or where NVML failed."""
+        """The idle seconds a step (the smaller of this reading and the one before); None where there is
+        nothing new: the first call of an epoch, no batch served since, a first reading."""
         s = self.stats
         seen, self._seen = self._seen, (s.batches, s.wall_s, s.bytes, s.loop_stream_batches)
-        self.due = now + EVERY_S if self._busy is not None else math.inf
-        if seen is None or self._busy is None or s.batches <= seen[0] or s.wall_s <= seen[1]:
+        if self.due == math.inf:
+            return None
+        self.due = now + EVERY_S
+        if seen is None or s.batches <= seen[0] or s.wall_s <= seen[1]:
             return None
         try:
             busy = self._busy()
-        except Exception:  # (a driver that stopped answering: the reading is off)
-            self._busy, self.due = None, math.inf
-            return None
+        except Exception:  # (a driver that stopped answering: the reading is off, the calls decide)
+            self.due = math.inf
+            return 0.0
         batches = s.batches - seen[0]
         latency, rate = self.link
         copy = latency + (s.bytes - seen[2]) / batches / rate
         inline = (s.loop_stream_batches - seen[3]) / batches
-        return max(0.0, 1.0 - busy) * (s.wall_s - seen[1]) / batches + inline * copy
+        idle = max(0.0, 1.0 - busy) * (s.wall_s - seen[1]) / batches + inline * copy
+        last, self._last = self._last, idle
+        return None if last is None else min(idle, last)
