@@ -431,12 +431,25 @@ def test_doctor_reports_versions_bandwidth_and_advice(capsys):
         assert lines[lines.index("advice:") + 1].startswith("  - no CUDA device: gpufeed runs on the CPU")
 
 
+def test_doctor_says_whether_the_gpu_s_idle_time_can_be_read():
+    """On a CUDA machine: NVML's reading now, or that it cannot be read and what that costs (advice)."""
+    r = _cli_doctor.collect(1 << 20)
+    device = {"index": 0, "name": "H200", "count": 1, "memory_bytes": 1 << 30, "capability": "9.0"}
+    r.update(cuda_available=True, device=device, h2d={"pinned_GBps": 50.0, "pageable_GBps": 40.0})
+    for busy, row in ((0.42, "  GPU busy (NVML)    42% now; read once a second"),
+                      (None, "  GPU busy (NVML)    not readable")):
+        r["gpu_busy"] = busy
+        text = _cli_doctor.render({**r, "advice": _cli_doctor.advice(r)})
+        assert any(line.startswith(row) for line in text.splitlines()), text
+        assert ("NVML's utilization cannot be read here" in text) is (busy is None)
+
+
 def test_doctor_json(capsys):
     assert main(["doctor", "--json", "--probe-bytes", "2MiB"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) == {"gpufeed", "python", "platform", "cpu_count", "torch", "torch_cuda", "cuda_available",
-                        "device", "h2d", "page_cache_read", "staging_copy", "packages", "gds", "env",
-                        "locked_memory_limit", "advice"}
+                        "device", "h2d", "gpu_busy", "page_cache_read", "staging_copy", "packages", "gds",
+                        "env", "locked_memory_limit", "advice"}
     assert doc["staging_copy"] == {"threads": torch.get_num_threads()}
     assert set(doc["packages"]) == {"h5py", "kvikio", "nvtx", "torchdata", "matplotlib"}
     assert doc["packages"]["h5py"] == h5py.__version__

@@ -55,6 +55,7 @@ def collect(probe_bytes: int) -> dict[str, Any]:
         "cuda_available": cuda,
         "device": _device_info() if cuda else None,
         "h2d": _h2d(probe_bytes) if cuda else None,
+        "gpu_busy": _gpu_busy() if cuda else None,
         "page_cache_read": _page_cache_read(probe_bytes),
         "staging_copy": {"threads": torch.get_num_threads()},
         "packages": {m: version_of(m) for m, _, _ in OPTIONAL},
@@ -81,6 +82,15 @@ def _device_info() -> dict[str, Any]:
         "memory_bytes": int(props.total_memory),
         "capability": f"{props.major}.{props.minor}",
     }
+
+
+def _gpu_busy() -> float | None:
+    """NVML's utilization of the current device now (0 to 1), as the stream choice reads it; None where NVML
+    cannot be read."""
+    from gpufeed._gpu_idle import busy_reader
+
+    read = busy_reader(torch.device("cuda", torch.cuda.current_device()))
+    return None if read is None else read()
 
 
 def _h2d(nbytes: int, reps: int = 5) -> dict[str, float]:
@@ -211,6 +221,10 @@ def advice(r: dict[str, Any]) -> list[str]:
         if ratio > 1.5:
             out.append(f"pinned copies are {ratio:.1f}x pageable ones here: let gpufeed stage through its "
                        "pinned pool (the default), not .to(device) from pageable tensors in the loop")
+    if r["cuda_available"] and r["gpu_busy"] is None:
+        out.append("NVML's utilization cannot be read here (nvidia-ml-py missing, a MIG slice, no driver "
+                   "access): gpufeed cannot see your GPU idle between kernels, and keeps batches over a few "
+                   "MiB on its copy stream even in a step bound by your thread")
     pc = r["page_cache_read"]
     if pc["threaded_GBps"] > 1.3 * pc["one_thread_GBps"]:
         out.append(f"parallel reads are {pc['threaded_GBps'] / pc['one_thread_GBps']:.1f}x one thread: "
@@ -256,6 +270,9 @@ def render(r: dict[str, Any]) -> str:
         h = r["h2d"]
         row("H2D pinned", f"{h['pinned_GBps']:.1f} GB/s")
         row("H2D pageable", f"{h['pageable_GBps']:.1f} GB/s")
+        busy = r["gpu_busy"]
+        row("GPU busy (NVML)", "not readable" if busy is None else
+            f"{busy:.0%} now; read once a second, the copies go on your stream where your GPU idles enough")
     else:
         row("CUDA", "not available: device cpu")
         row("H2D", "n/a (no CUDA device)")
