@@ -83,9 +83,8 @@ def test_a_reader_that_fails_reads_no_idle_time_and_is_not_called_again():
     idle.read(0.0)
     _served(stats, 10, 0.01)
     assert idle.read(1.0) == 0.0 and idle.due == math.inf
-    idle.restart()
     _served(stats, 10, 0.01)
-    assert idle.due == math.inf and idle.read(2.0) is None and calls == [1]
+    assert idle.read(2.0) is None and calls == [1]
 
 
 def test_a_copy_goes_on_the_loop_s_stream_where_it_takes_less_than_the_calls_or_half_the_idle_time():
@@ -102,55 +101,39 @@ def test_a_copy_goes_on_the_loop_s_stream_where_it_takes_less_than_the_calls_or_
     assert _Costs(None).loop_bytes == 0.0
 
 
-def test_an_epoch_s_first_reading_starts_a_period_and_reads_nothing():
-    """Between epochs the loop is away: NVML's last sample period then covers the pause, not the loop."""
-    stats = PrefetchStats(device="cuda")
-    idle = GpuIdle(lambda: 0.0, stats, LINK)
-    idle.read(0.0)
-    _served(stats, 10, 0.01)
-    idle.read(1.0)
-    idle.restart()
-    assert idle.due == 0.0
-    assert idle.read(5.0) is None and idle.due == 5.0 + EVERY_S
-    for t in (6.0, 7.0):
-        _served(stats, 10, 0.02)
-        got = idle.read(t)
-    assert got == pytest.approx(0.02)
-
-
 class _StubIdle:
-    """A GpuIdle stand-in: counts restarts, reads ``value`` at every call."""
+    """A GpuIdle stand-in: reads ``value`` at every call."""
 
     def __init__(self, value: float) -> None:
-        self.value, self.restarts, self.reads, self.due = value, 0, 0, 0.0
-
-    def restart(self) -> None:
-        self.restarts += 1
+        self.value, self.reads, self.due = value, 0, 0.0
 
     def read(self, now: float) -> float:
         self.reads += 1
         return self.value
 
 
-def test_each_epoch_restarts_the_reading_and_each_next_applies_what_it_reads():
+def test_each_next_reads_the_idle_time_when_due_and_applies_it_across_epochs():
     from gpufeed import CudaPrefetcher
 
     data = [torch.full((4,), float(i)) for i in range(5)]
     with CudaPrefetcher(data, device="cpu") as pf:
         stub = pf._stage.idle = _StubIdle(0.004)
-        for epoch in (1, 2):
+        for _ in range(2):
             assert [float(b[0]) for b in pf] == [float(i) for i in range(5)]
-            assert stub.restarts == epoch
         assert stub.reads == 2 * 5  # (every next() but an epoch's first: its start-up)
         assert pf._stage.costs.idle_s == 0.004
+        stub.due = float("inf")  # (not due: not read)
+        assert len(list(pf)) == 5 and stub.reads == 10
 
 
-def test_a_todevice_reset_restarts_the_reading():
+def test_a_todevice_reset_starts_an_epoch_of_the_stage():
+    """Each reset starts an epoch for the stage's verdict: a batch before it and one after are no period."""
     tn = pytest.importorskip("torchdata.nodes", reason="torchdata >= 0.10 is not installed")
     from gpufeed.nodes import ToDevice
 
     node = ToDevice(tn.IterableWrapper([torch.ones(2)] * 3), device="cpu")
-    stub = node._stage.idle = _StubIdle(0.0)
+    starts = []
+    node._stage.new_epoch = lambda: starts.append(1)
     node.reset()
     assert len(list(tn.Loader(node))) == 3
-    assert stub.restarts >= 2  # (this reset, and the Loader's at iter())
+    assert len(starts) >= 2  # (this reset, and the Loader's at iter())

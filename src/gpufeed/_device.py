@@ -350,12 +350,9 @@ class DeviceStage:
     # -- hand-over ---------------------------------------------------------------------------------
 
     def new_epoch(self) -> None:
-        """An epoch starts (or a ``ToDevice`` resets): its first batch is its start-up for the verdict, and
-        the GPU's idle time is read anew (:meth:`GpuIdle.restart <gpufeed._gpu_idle.GpuIdle.restart>`)."""
+        """An epoch starts (or a ``ToDevice`` resets): its first batch is its start-up for the verdict."""
         if self.meter is not None:
             self.meter.new_epoch()
-        if self.idle is not None:
-            self.idle.restart()
 
     def asked(self, mark: tuple[float, float, float]) -> None:
         """The loop asked for its next batch (``mark``: when, and ``fetch_s``, ``stage_s`` then)."""

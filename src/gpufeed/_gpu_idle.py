@@ -56,10 +56,11 @@ class GpuIdle:
     time read. (Copies on the copy stream that fall in the GPU's idle gaps still count as busy: the reading
     errs towards the copy stream.)
 
-    :meth:`read` returns the smaller of the last two readings: a pause inside an epoch (an evaluation, a
-    checkpoint) makes one period long and NVML's sample idle, and takes a single reading far above the
-    loop's. Read at most once every ``EVERY_S`` (``due``), on the loop's thread. Where the reader fails,
-    every reading is 0 from then on: the copy stream's calls alone decide.
+    :meth:`read` returns the smaller of the last two readings: a pause (an evaluation, a checkpoint, the
+    time between epochs) makes NVML's sample idle, and one period long where it falls inside an epoch,
+    and takes a single reading far above the loop's. The readings run on across epochs (the periods count
+    only the batches served). Read at most once every ``EVERY_S`` (``due``), on the loop's thread. Where the
+    reader fails, every reading is 0 from then on: the copy stream's calls alone decide.
     """
 
     def __init__(self, busy: Callable[[], float], stats: PrefetchStats, link: tuple[float, float]) -> None:
@@ -70,17 +71,9 @@ class GpuIdle:
         self._seen: tuple[int, float, int, int] | None = None  # the counters at the reading before
         self._last: float | None = None  # the reading before
 
-    def restart(self) -> None:
-        """An epoch starts: the next call starts a period (NVML's last sample period then covers the pause
-        between epochs, not the loop), and two readings of this epoch make the first value; until then the
-        idle time read last holds."""
-        self._seen = self._last = None
-        if self.due != math.inf:
-            self.due = 0.0
-
     def read(self, now: float) -> float | None:
         """The idle seconds a step (the smaller of this reading and the one before); None where there is
-        nothing new: the first call of an epoch, no batch served since, a first reading."""
+        nothing new: the first call, no batch served since, a first reading."""
         s = self.stats
         seen, self._seen = self._seen, (s.batches, s.wall_s, s.bytes, s.loop_stream_batches)
         if self.due == math.inf:
