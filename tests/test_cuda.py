@@ -152,6 +152,25 @@ def test_a_batch_goes_on_the_loop_s_stream_where_the_gpu_idles_long_enough_to_ab
             assert pf._stage.costs.idle_s < 0.0006 and late < 10, (pf._stage.costs.idle_s, late)
 
 
+def test_the_gpu_s_idle_time_is_read_across_epochs_shorter_than_a_reading():
+    """The same thread-bound loop in 30 epochs of 40 batches (0.12 s each): the readings run on across
+    epochs, so the later epochs' batches go on the loop's stream, exactly."""
+    if _gpu_idle.busy_reader(torch.device("cuda")) is None:
+        pytest.skip("NVML's utilization cannot be read here (nvidia-ml-py, the driver)")
+    host = [torch.full((4 << 20,), float(i)).pin_memory() for i in range(8)]
+    data = [host[i % 8] for i in range(40)]
+    with CudaPrefetcher(data) as pf:
+        for epoch in range(30):
+            if epoch == 20:
+                before = pf.stats.loop_stream_batches
+            got = []
+            for b in pf:
+                got.append(float(b[-1]))
+                time.sleep(0.003)
+            assert got == [float(i % 8) for i in range(40)]
+        assert pf.stats.loop_stream_batches - before > 300, pf.stats.loop_stream_batches - before
+
+
 def _sleep_cycles(seconds: float) -> int:
     """``torch.cuda._sleep``'s cycles for about ``seconds``, timed on this GPU."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
