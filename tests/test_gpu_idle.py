@@ -13,6 +13,7 @@ from gpufeed._device import _Costs
 from gpufeed._gpu_idle import EVERY_S, GpuIdle
 
 LINK = (4e-6, 50e9)  # (latency s, bytes a second)
+COPY_S = _Costs(LINK).copy_s
 
 
 def _served(stats: PrefetchStats, batches: int, period_s: float, nbytes: int = 0, inline: int = 0) -> None:
@@ -25,7 +26,7 @@ def _served(stats: PrefetchStats, batches: int, period_s: float, nbytes: int = 0
 def test_the_idle_time_is_the_idle_share_of_the_loop_s_period_the_smaller_of_two_readings():
     stats = PrefetchStats(device="cuda")
     busy = [0.25]
-    idle = GpuIdle(lambda: busy[0], stats, LINK)
+    idle = GpuIdle(lambda: busy[0], stats, COPY_S)
     assert idle.due == 0.0
     assert idle.read(10.0) is None  # (the first call starts the first period)
     assert idle.due == 10.0 + EVERY_S
@@ -45,7 +46,7 @@ def test_a_pause_inside_an_epoch_does_not_move_the_copies():
     GPU over a long mean step, once; the smaller of two readings keeps the loop's figure."""
     stats = PrefetchStats(device="cuda")
     busy = [0.99]
-    idle = GpuIdle(lambda: busy[0], stats, LINK)
+    idle = GpuIdle(lambda: busy[0], stats, COPY_S)
     idle.read(0.0)
     _served(stats, 100, 0.010)
     idle.read(1.0)
@@ -63,7 +64,7 @@ def test_the_copies_on_the_loop_s_stream_are_added_back_to_the_idle_time():
     """NVML counts a copy as busy: moving copies onto the loop's stream does not shrink the idle time read.
     Here half the batches (10 MB, 204 us a copy on the link) went on the loop's stream."""
     stats = PrefetchStats(device="cuda")
-    idle = GpuIdle(lambda: 0.5, stats, LINK)
+    idle = GpuIdle(lambda: 0.5, stats, COPY_S)
     idle.read(0.0)
     for t in (1.0, 2.0):
         _served(stats, 100, 0.002, nbytes=10_000_000, inline=50)
@@ -79,7 +80,7 @@ def test_a_reader_that_fails_reads_no_idle_time_and_is_not_called_again():
         calls.append(1)
         raise RuntimeError("NVML: driver not loaded")
 
-    idle = GpuIdle(broken, stats, LINK)
+    idle = GpuIdle(broken, stats, COPY_S)
     idle.read(0.0)
     _served(stats, 10, 0.01)
     assert idle.read(1.0) == 0.0 and idle.due == math.inf

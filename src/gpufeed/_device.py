@@ -94,7 +94,7 @@ class DeviceStage:
         link = link_cost(device) if self.cuda else None
         self.costs = _Costs(link)
         busy = busy_reader(device) if link is not None else None
-        self.idle = GpuIdle(busy, stats, link) if busy is not None else None
+        self.idle = GpuIdle(busy, stats, self.costs.copy_s) if busy is not None else None
         self.meter = GpuWaits(stats) if self.cuda and measure else None
         if self.meter is not None:  # (weak: the meter holds the stats, and no cycle may hold CUDA objects)
             stats._refresh = weakref.WeakMethod(self.meter.refresh)
@@ -449,6 +449,12 @@ class _Costs:
     def side_wait(self, seconds: float) -> None:
         self._wait_s = _average(self._wait_s, seconds)
         self._update()
+
+    def copy_s(self, nbytes: float) -> float:
+        """The seconds a pinned copy of ``nbytes`` takes on the link, ``latency + bytes / rate`` (the link
+        is known wherever there is a :class:`~gpufeed._gpu_idle.GpuIdle` to ask)."""
+        latency, rate = self.link
+        return latency + nbytes / rate
 
     def spare(self, idle_s: float) -> None:
         """The GPU idles ``idle_s`` a step (:class:`~gpufeed._gpu_idle.GpuIdle`)."""

@@ -51,10 +51,10 @@ class GpuIdle:
     Each reading is ``(1 - busy) x period`` plus those copies' time a step: ``period`` is the loop's mean
     period since the reading before (``stats``: its wall time over the batches served), ``busy`` the share
     of NVML's last sample period in which the GPU ran a kernel or a copy. NVML counts a copy as busy time,
-    so the copies the stream choice put on the loop's stream (``latency + bytes / rate`` each, from
-    ``link``, at the period's mean batch size) are added back: moving them there does not shrink the idle
-    time read. (Copies on the copy stream that fall in the GPU's idle gaps still count as busy: the reading
-    errs towards the copy stream.)
+    so the copies the stream choice put on the loop's stream (``copy_s`` each, the stream choice's own
+    model of a copy, at the period's mean batch size) are added back: moving them there does not shrink
+    the idle time read. (Copies on the copy stream that fall in the GPU's idle gaps still count as busy:
+    the reading errs towards the copy stream.)
 
     :meth:`read` returns the smaller of the last two readings: a pause (an evaluation, a checkpoint, the
     time between epochs) makes NVML's sample idle, and one period long where it falls inside an epoch,
@@ -63,10 +63,11 @@ class GpuIdle:
     reader fails, every reading is 0 from then on: the copy stream's calls alone decide.
     """
 
-    def __init__(self, busy: Callable[[], float], stats: PrefetchStats, link: tuple[float, float]) -> None:
+    def __init__(self, busy: Callable[[], float], stats: PrefetchStats,
+                 copy_s: Callable[[float], float]) -> None:
         self._busy = busy
         self.stats = stats
-        self.link = link  # (latency s, bytes a second) of a pinned copy
+        self.copy_s = copy_s  # the seconds a pinned copy of so many bytes takes on the link
         self.due = 0.0  # perf_counter time of the next reading
         self._seen: tuple[int, float, int, int] | None = None  # the counters at the reading before
         self._last: float | None = None  # the reading before
@@ -87,9 +88,8 @@ class GpuIdle:
             self.due = math.inf
             return 0.0
         batches = s.batches - seen[0]
-        latency, rate = self.link
-        copy = latency + (s.bytes - seen[2]) / batches / rate
         inline = (s.loop_stream_batches - seen[3]) / batches
-        idle = max(0.0, 1.0 - busy) * (s.wall_s - seen[1]) / batches + inline * copy
+        idle = (max(0.0, 1.0 - busy) * (s.wall_s - seen[1]) / batches
+                + inline * self.copy_s((s.bytes - seen[2]) / batches))
         last, self._last = self._last, idle
         return None if last is None else min(idle, last)
