@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -332,6 +333,12 @@ class NpyHeader(NamedTuple):
     offset: int
 
 
+# numpy parses a header with ast.literal_eval, and CPython's AST constructor can raise a spurious
+# "SystemError: AST constructor recursion depth mismatch" when several threads parse at once (cpython
+# gh-106905; seen here on 3.11.7, a RawSource of valid files opened by many threads): one parse at a time.
+_HEADER_LOCK = threading.Lock()
+
+
 def npy_header(path: str) -> NpyHeader:
     """Read the header of a ``.npy`` file.
 
@@ -344,7 +351,8 @@ def npy_header(path: str) -> NpyHeader:
             version = fmt.read_magic(fh)
             # 3.0 only differs from 2.0 by allowing utf-8 in the header, which dtype/shape never need.
             read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
-            shape, fortran, dtype = read(fh)
+            with _HEADER_LOCK:
+                shape, fortran, dtype = read(fh)
         except OSError:
             raise
         except Exception as exc:  # numpy's parser raises ValueError, SyntaxError, tokenize.TokenError ...
