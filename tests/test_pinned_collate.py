@@ -76,9 +76,31 @@ def test_tensors_it_cannot_stack_raise_as_default_collate_raises(fake_pinning):
     with pytest.raises(RuntimeError) as got:
         pc.pinned_collate(batch)
     assert str(got.value) == str(want.value)
-    assert fake_pinning == []
-    mixed = [torch.zeros(3), torch.zeros(3, dtype=torch.int32)]  # default_collate stacks with type promotion
-    assert same(pc.pinned_collate(mixed), default_collate(mixed)) and fake_pinning == []
+
+
+class Sub(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("second", [
+    pytest.param(lambda: torch.ones(3, dtype=torch.float64), id="another dtype (default_collate promotes)"),
+    pytest.param(lambda: torch.ones(3).requires_grad_(), id="a later sample requiring grad"),
+    pytest.param(lambda: torch.ones(3).as_subclass(Sub), id="a subclass"),
+    pytest.param(lambda: torch.ones(3).to_sparse(), id="a sparse sample"),
+])
+def test_a_field_the_block_cannot_hold_comes_out_as_default_collate_makes_it(fake_pinning, second):
+    batch = [torch.zeros(3), second()]
+    try:
+        want = default_collate(batch)
+    except Exception as exc:  # (then pinned_collate raises the same)
+        with pytest.raises(type(exc)) as got:
+            pc.pinned_collate(batch)
+        assert str(got.value) == str(exc)
+        return
+    got = pc.pinned_collate(batch)
+    assert type(got) is type(want) and got.dtype == want.dtype and got.requires_grad == want.requires_grad
+    assert torch.equal(got.detach().to_dense(), want.detach().to_dense())
+    assert all(got.data_ptr() != b.data_ptr() for b in fake_pinning)  # (no block kept)
 
 
 def test_a_failed_pinned_allocation_warns_once_then_collates_as_default_collate(monkeypatch):

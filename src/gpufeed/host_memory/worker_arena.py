@@ -36,7 +36,6 @@ from gpufeed._staging import aligned
 from gpufeed._threads import Stopped
 from gpufeed._tree import Rebuild, flatten
 from gpufeed.host_memory import Lease, plain, register, unregister
-from gpufeed.host_memory.pinned_collate import stackable
 
 #: A new slot's size is the batch's bytes rounded up to a whole number of these, so that batches a little
 #: larger (a ragged last sample, a longer sequence) still fit it.
@@ -199,11 +198,26 @@ class _Stack:
         return collate_tensor_fn(self.tensors)
 
 
+def _stackable(batch: list[torch.Tensor]) -> bool:
+    """Whether ``default_collate`` would stack ``batch`` with nothing to fail:
+    :func:`~gpufeed.host_memory.plain` tensors of one shape and dtype, with bytes, none requiring grad.
+    The stack is put off until the slot is known, so everything it could fail on is checked here, in the
+    worker, for every sample, with the cheapest attributes that say as much (``is_cpu``, not ``.device``,
+    which makes an object a call; a sample of the first one's plain dtype is not quantized; ``is_nested``
+    before ``shape``, which a nested tensor lacks)."""
+    elem = batch[0]
+    if not (plain(elem) and elem.nbytes):
+        return False
+    tensor, strided, shape, dtype = torch.Tensor, torch.strided, elem.shape, elem.dtype
+    return all(type(t) is tensor and t.is_cpu and t.layout is strided and not t.is_nested and t.dtype is dtype
+               and t.shape == shape and not t.requires_grad for t in batch)
+
+
 def _stack_later(made: list[_Stack], batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> Any:
     """``default_collate``'s rule for tensors, the stack put off (``_Stack``, noted in ``made``) where it
-    cannot fail (``stackable``). Any other batch is collated now, so an error is raised where
+    cannot fail (``_stackable``). Any other batch is collated now, so an error is raised where
     ``default_collate`` raises it."""
-    if stackable(batch):
+    if _stackable(batch):
         made.append(_Stack(batch))
         return made[-1]
     return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
