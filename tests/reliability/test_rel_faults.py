@@ -460,6 +460,20 @@ def _workers_gone(timeout=10.0):
 WORKER_DIED = r"DataLoader worker \(pid"
 
 
+def _raised_at_worker_death(run):
+    """What ``run()`` raises once a DataLoader worker died. torch's SIGCHLD handler raises its RuntimeError
+    at whichever line the main thread is on when the signal is handled: where that is while the error
+    before it (a broken pipe's) is being caught, the handler's error is the one that arrives."""
+    try:
+        try:
+            run()
+        except (RuntimeError, ConnectionError, EOFError) as exc:
+            return exc
+    except RuntimeError as late:  # (the handler's, raised while the first error was caught)
+        return late
+    raise AssertionError("no error after the worker died")
+
+
 def _worker_death(exc):
     """The error a DataLoader gives when a worker dies: torch's RuntimeError (its SIGCHLD handler, or its
     5 s liveness check), or, from a thread without that handler, the broken pipe's error."""
@@ -479,13 +493,11 @@ def test_dataloader_worker_killed_in_getitem(tmp_path, device):
     got = []
     t0 = time.monotonic()
     with CudaPrefetcher(loader, device=device, depth=2) as pf:
-        with pytest.raises((RuntimeError, ConnectionError, EOFError)) as info:
-            for b in pf:
-                got.append(keep(b))
+        error = _raised_at_worker_death(lambda: got.extend(keep(b) for b in pf))
         took = time.monotonic() - t0
-        what = _worker_death(info.value)
-        shut_down_loader_workers(info.value)  # the surviving worker: see shut_down_loader_workers
-        del info
+        what = _worker_death(error)
+        shut_down_loader_workers(error)  # the surviving worker: see shut_down_loader_workers
+        del error
         check_rows_batches(got)
         assert len(got) < N // 4
         again = [keep(b) for b in pf]  # fresh workers: the next epoch works
@@ -503,23 +515,28 @@ def test_dataloader_persistent_worker_killed_from_outside(device):
     loader = DataLoader(Rows(N), batch_size=4, num_workers=2, persistent_workers=True, timeout=2)
     got = []
     t0 = time.monotonic()
-    with CudaPrefetcher(loader, device=device, depth=2) as pf:
-        with pytest.raises((RuntimeError, ConnectionError, EOFError)) as info:
-            for k, b in enumerate(pf):
-                got.append(keep(b))
-                if k == 1:
-                    os.kill(loader._iterator._workers[0].pid, signal.SIGKILL)
-                    t0 = time.monotonic()
-        took = time.monotonic() - t0
-        what = _worker_death(info.value)
-        del info
-        check_rows_batches(got)
-        # torch cannot revive persistent workers: the next epoch fails too, quickly and clearly.
-        t1 = time.monotonic()
-        with pytest.raises(RuntimeError, match=WORKER_DIED):
-            list(pf)
-        took2 = time.monotonic() - t1
-    loader._iterator._shutdown_workers()
+    def epoch():
+        nonlocal t0
+        for k, b in enumerate(pf):
+            got.append(keep(b))
+            if k == 1:
+                os.kill(loader._iterator._workers[0].pid, signal.SIGKILL)
+                t0 = time.monotonic()
+
+    try:
+        with CudaPrefetcher(loader, device=device, depth=2) as pf:
+            error = _raised_at_worker_death(epoch)
+            took = time.monotonic() - t0
+            what = _worker_death(error)
+            del error
+            check_rows_batches(got)
+            # torch cannot revive persistent workers: the next epoch fails too, quickly and clearly.
+            t1 = time.monotonic()
+            with pytest.raises(RuntimeError, match=WORKER_DIED):
+                list(pf)
+            took2 = time.monotonic() - t1
+    finally:  # (the surviving worker, whatever failed: the tests after this one count live workers)
+        loader._iterator._shutdown_workers()
     stopped()
     _workers_gone()
     note(f"{what} {took:.1f} s after the kill; next epoch: RuntimeError 'DataLoader worker (pid(s) ...) "

@@ -38,8 +38,9 @@ def pinned_collate(samples: Any) -> Any:
     ``default_collate``: without CUDA, inside a DataLoader worker (which collates into shared memory, and
     must not touch CUDA) or a child forked after CUDA was initialised, or after a pinned allocation failed
     (said once, as a ``RuntimeWarning``). Use it where the main process collates: in a process worker the
-    pinning would be lost on the way to the main process. Fields ``default_collate`` does not stack
-    (numbers, strings, tensors of different shapes, tensors that require grad) come out as it makes them.
+    pinning would be lost on the way to the main process. Fields it does not stack into a block (numbers,
+    strings, tensors that require grad in grad mode) come out as ``default_collate`` makes them, and tensors
+    of different shapes raise its error.
 
     Example:
         >>> batch = pinned_collate([{"x": torch.ones(2), "y": 0}, {"x": torch.zeros(2), "y": 1}])
@@ -53,10 +54,11 @@ def pinned_collate(samples: Any) -> Any:
 
 def _stack_pinned(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
     """``default_collate``'s rule for tensors, stacking into a pinned block. ``torch.stack`` checks the
-    samples' shapes, devices, layouts and autograd, and raises where it cannot stack them into the block:
-    ``default_collate``'s own stack then makes the field, or raises its error. What it would let through
-    is checked first (:func:`_one_kind`). The check is per sample, on the thread that collates, which in a
-    nodes pipeline shares the GIL with the threads that set its rate: torch checks the rest in C++.
+    samples' shapes, devices and layouts (and autograd, in grad mode), and raises where it cannot stack
+    them into the block: ``default_collate``'s own stack then makes the field, or raises its error. What it
+    would let through is checked first (:func:`_one_kind`). The check is per sample, on the thread that
+    collates, which in a nodes pipeline shares the GIL with the threads that set its rate: torch checks
+    the rest in C++.
     (Whether this process can pin at all is asked once a batch, by ``pinned_collate``; only a failed
     allocation, in an earlier field, changes it within one.)"""
     if _failed or not _one_kind(batch):
@@ -78,8 +80,10 @@ def _one_kind(batch: list[torch.Tensor]) -> bool:
     """Whether the first sample is a :func:`~gpufeed.host_memory.plain` tensor with bytes, not requiring
     grad, and every sample a ``torch.Tensor`` of its dtype: what ``torch.stack`` into its block would not
     refuse by itself. A sample of another dtype would be cast into the block's, where ``default_collate``
-    promotes; a subclass would come back from the block a plain tensor. A sample of another shape, device
-    or layout, quantized, nested, or requiring grad, torch refuses."""
+    promotes; a subclass's own ``__torch_function__`` may treat ``out=`` its own way, so its field is
+    collated as ``default_collate`` collates it. A sample of another shape, device or layout, quantized or
+    nested, torch refuses, and one requiring grad in grad mode (outside it, the stack makes what
+    ``default_collate``'s does: no grad)."""
     elem = batch[0]
     if not (plain(elem) and elem.nbytes) or elem.requires_grad:
         return False
