@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -49,12 +50,32 @@ def card_name(device: torch.device) -> str:
 
 def paired(row: dict[str, Any], other: dict[str, Any]) -> dict[str, float] | None:
     """``row``'s window over ``other``'s, round by round (the rounds both ran), as its median, min and max:
-    the machine's drift between rounds cancels out. None where they share no round (a row of an older run,
-    which kept none)."""
+    the machine's drift between rounds cancels out. ``lo`` and ``hi`` bound the median of such ratios
+    (:func:`median_interval`, ``coverage`` its confidence): where they straddle a target, the rounds do not
+    say on which side of it the row lies. None where they share no round (a row of an older run, which
+    kept none)."""
     ratios = [a / b for a, b in zip(row.get("rounds") or [], other.get("rounds") or [], strict=False)]
     if not ratios:
         return None
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    lo, hi, coverage = median_interval(ratios)
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "lo": lo, "hi": hi,
+            "coverage": coverage}
+
+
+def median_interval(values: list[float], level: float = 0.9) -> tuple[float, float, float]:
+    """A distribution-free confidence interval for the median of what ``values`` sample: their ``k``-th
+    smallest and ``k``-th largest, which hold the median with probability ``1 - 2 P[Binomial(n, 1/2) < k]``;
+    the largest ``k`` whose probability is at least ``level``, or the whole range where the values are too
+    few (5 values: 94%; 3: 75%). Returns (lo, hi, that probability)."""
+    xs, n = sorted(values), len(values)
+
+    def coverage(k: int) -> float:
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+
+    k = 1
+    while k < n // 2 and coverage(k + 1) >= level:
+        k += 1
+    return xs[k - 1], xs[n - k], coverage(k)
 
 
 def targets_table(targets: list[dict], digits: int = 3) -> list[str]:

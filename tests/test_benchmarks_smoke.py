@@ -181,11 +181,36 @@ def test_the_paired_ratio_takes_each_round_against_the_best_peers_window_of_that
             {**row("gpufeed", [5.0, 6.0, 7.0]), "feed": "old"}, {**row("to", [5.0, 6.0, 7.0]), "feed": "old"}]
     del rows[-1]["rounds"]  # (a row of an older run, which kept no rounds)
     bench.compare(rows)
-    assert rows[0]["paired"] == {"median": 10 / 11, "min": 8 / 12, "max": 12 / 10}  # (against "to" only)
+    assert rows[0]["paired"] == {"median": 10 / 11, "min": 8 / 12, "max": 12 / 10,  # (against "to" only)
+                                 "lo": 8 / 12, "hi": 12 / 10, "coverage": 0.75}  # (3 rounds: their range)
     assert rows[0]["best_peer"] == "to" and rows[0]["vs_best_peer"] == 10 / 11
     assert "paired" not in rows[4] and rows[4]["vs_best_peer"] == 1.0
     ideal = {"step": "s", "feed": "resident", "method": "ideal", "steps_per_s": 20.0, "min": 19.0,
              "max": 21.0, "epoch_batches": 9}
     table = bench._step_table("s", "", [ideal, *rows])
     body = [line for line in table if line.startswith("| f ") or line.startswith("| old ")][:2]
-    assert "0.909 (0.667-1.200)" in body[0] and body[0].count("|") == body[1].count("|")
+    assert "0.909 (0.667-1.200; 0.667-1.200 at 75%)" in body[0] and body[0].count("|") == body[1].count("|")
+
+
+def test_the_median_s_interval_is_the_order_statistics_that_hold_it_with_at_least_90_percent():
+    common = _load("_common")
+    # 1 - 2 P[Binomial(n, 1/2) < k] for the k-th smallest and largest: 12 values, k = 3 (96.1%; k = 4 holds
+    # it with 85.4%); 18, k = 6 (90.4%); 5 and fewer, their range
+    assert common.median_interval([float(x) for x in range(12, 0, -1)]) == (3.0, 10.0, 1 - 2 * 79 / 4096)
+    lo, hi, coverage = common.median_interval([float(x) for x in range(18)])
+    assert (lo, hi) == (5.0, 12.0) and round(coverage, 4) == 0.9037
+    assert common.median_interval([2.0, 1.0, 3.0, 5.0, 4.0]) == (1.0, 5.0, 1 - 2 / 32)
+
+
+def test_a_miss_whose_paired_interval_reaches_the_bound_is_said_unresolved():
+    bench = _load("bench_loops")
+
+    def row(feed, ratio, lo, hi):
+        return {"feed": feed, "vs_best_peer": ratio, "paired": {"lo": lo, "hi": hi, "coverage": 0.96}}
+
+    t = bench._target("t", [row("a", 0.97, 0.93, 1.01), row("b", 0.90, 0.85, 0.95), row("c", 0.99, 0.9, 1.1)],
+                      "vs_best_peer", 0.98)
+    assert t["met"] is False and [m["feed"] for m in t["misses"]] == ["b", "a"]
+    assert [m["resolved"] for m in t["misses"]] == [True, False]
+    assert bench._miss(t["misses"][1]).endswith("at 96%: not resolved by the rounds)")
+    assert bench._miss(t["misses"][0]) == "b (0.900; paired, the median within 0.850-0.950 at 96%)"
