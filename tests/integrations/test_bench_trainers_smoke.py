@@ -87,7 +87,8 @@ def test_vs_own_paired_divides_each_round_by_the_own_row_of_that_round():
             row("u", "gpufeed", [3.0])]
     bench.add_vs_own(rows)
     assert rows[1]["vs_own"] == 1.1
-    assert rows[1]["vs_own_paired"] == {"median": 1.1, "min": 0.75, "max": 1.5}
+    assert rows[1]["vs_own_paired"] == {"median": 1.1, "min": 0.75, "max": 1.5,
+                                        "lo": 0.75, "hi": 1.5, "coverage": 0.75}  # (3 rounds: their range)
     assert "vs_own" not in rows[2] and "vs_own" not in rows[3]  # (an error; a trainer without its own row)
     md = bench.markdown({"card": "cpu", "torch": "x", "smoke": True, "rows": rows,
                          "config": {"workers": 0, "warmup": 1, "steps": 1, "rounds": 3, "loops": ["l"]}})
