@@ -39,6 +39,17 @@ def wait_no_threads(timeout=5.0):
     return time.monotonic() - t0
 
 
+def sleep_cycles(ms):
+    """``torch.cuda._sleep`` cycles for about ``ms`` milliseconds on this GPU."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # warm
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return int(10_000_000 * ms / start.elapsed_time(end))
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_threads():
     yield

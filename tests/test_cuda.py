@@ -7,6 +7,7 @@ import weakref
 import pytest
 import torch
 
+from conftest import sleep_cycles
 from gpufeed import CudaPrefetcher, _gpu_idle
 
 pytestmark = pytest.mark.cuda
@@ -136,7 +137,7 @@ def test_a_batch_goes_on_the_loop_s_stream_where_the_gpu_idles_long_enough_to_ab
         pytest.skip("NVML's utilization cannot be read here (nvidia-ml-py, the driver)")
     host = [torch.full((4 << 20,), float(i)).pin_memory() for i in range(8)]
     data = [host[i % 8] for i in range(1200)]  # (3.6 s: the idle time counts from the second reading, 2 s in)
-    cycles = _sleep_cycles(0.003)
+    cycles = sleep_cycles(3)
     for bound, step in (("thread", lambda: time.sleep(0.003)),
                         ("gpu", lambda: (torch.cuda._sleep(cycles), torch.cuda.synchronize()))):
         with CudaPrefetcher(data) as pf:
@@ -169,16 +170,6 @@ def test_the_gpu_s_idle_time_is_read_across_epochs_shorter_than_a_reading():
                 time.sleep(0.003)
             assert got == [float(i % 8) for i in range(40)]
         assert pf.stats.loop_stream_batches - before > 300, pf.stats.loop_stream_batches - before
-
-
-def _sleep_cycles(seconds: float) -> int:
-    """``torch.cuda._sleep``'s cycles for about ``seconds``, timed on this GPU."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(1_000_000)
-    end.record()
-    end.synchronize()
-    return int(1_000_000 * seconds / (start.elapsed_time(end) / 1e3))
 
 
 def test_small_pageable_batches_are_pinned_and_copied_on_the_loop_s_stream_exactly():

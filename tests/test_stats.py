@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import sleep_cycles
 from gpufeed import CudaPrefetcher, PrefetchStats
 from gpufeed import _starvation as starvation
 from gpufeed._verdict import INPUT_BOUND_SHARE, MIN_BATCHES, WaitHistogram
@@ -368,19 +369,8 @@ def test_the_gpu_readings_wait_for_a_later_event_of_the_stream(clock):
 
 # -- the GPU's waits, measured (run on the GPU machine: pytest -m cuda) ----------------------------
 
-def _sleep_cycles(ms):
-    """``torch.cuda._sleep`` cycles for about ``ms`` milliseconds on this GPU."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1_000_000)  # warm
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    return int(10_000_000 * ms / start.elapsed_time(end))
-
-
 def _gpu_run(loader, step_ms, epochs=1, **kw):
-    cycles = _sleep_cycles(step_ms)
+    cycles = sleep_cycles(step_ms)
     with CudaPrefetcher(loader, **kw) as pf:
         for _ in range(epochs):
             for b in pf:

@@ -58,9 +58,8 @@ def _stack_pinned(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> t
     them into the block: ``default_collate``'s own stack then makes the field, or raises its error. What it
     would let through is checked first (:func:`_one_kind`). The check is per sample, on the thread that
     collates, which in a nodes pipeline shares the GIL with the threads that set its rate: torch checks
-    the rest in C++.
-    (Whether this process can pin at all is asked once a batch, by ``pinned_collate``; only a failed
-    allocation, in an earlier field, changes it within one.)"""
+    the rest in C++. (Whether this process can pin at all is asked once a batch, by ``pinned_collate``;
+    only a failed allocation, in an earlier field, changes it within one.)"""
     if _failed or not _one_kind(batch):
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     elem = batch[0]
