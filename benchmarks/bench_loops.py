@@ -771,7 +771,7 @@ def check_targets(rows: list[dict[str, Any]], most_workers: int) -> list[dict[st
         feeds = [r for r in rows if r["step"] == step and r["method"] in GPUFEED]
         near = [r for r in feeds if r.get("best_peer_of_ideal", 0.0) >= 0.9 or "error" in r]
         targets.append(_target(f"{step}: gpufeed >= 0.98x the best peer in every feed", feeds,
-                               "vs_best_peer", 0.98))
+                               "vs_best_peer", 0.98, paired=True))
         targets.append(_target(f"{step}: gpufeed >= 0.95x the ideal where a peer reaches 0.9x "
                                f"({len(near)} feeds)", near, "of_ideal", 0.95))
         if step == "resnet":
@@ -781,10 +781,12 @@ def check_targets(rows: list[dict[str, Any]], most_workers: int) -> list[dict[st
     return targets
 
 
-def _target(what: str, rows: list[dict[str, Any]], key: str, bound: float) -> dict[str, Any]:
-    """A target over ``rows``; each miss of the ratio to the best peer keeps its paired median's interval
-    (``_common.median_interval``): where it reaches ``bound``, the rounds leave the miss unresolved."""
-    values = [(r["feed"], r.get(key), r.get("paired") if key == "vs_best_peer" else None) for r in rows]
+def _target(what: str, rows: list[dict[str, Any]], key: str, bound: float,
+            paired: bool = False) -> dict[str, Any]:
+    """A target over ``rows``. ``paired``: ``key`` is the ratio a row's ``paired`` gives round by round (the
+    ratio to the best peer), so each miss keeps that median's interval (``_common.median_interval``):
+    where it reaches ``bound``, the rounds leave the miss unresolved."""
+    values = [(r["feed"], r.get(key), r.get("paired") if paired else None) for r in rows]
     misses = sorted(((f, v, p) for f, v, p in values if v is None or v < bound), key=lambda x: x[1] or 0.0)
     known = [v for _, v, _ in values if v is not None]
     return {"target": what, "key": key, "bound": bound, "feeds": len(values),

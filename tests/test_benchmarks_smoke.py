@@ -209,7 +209,7 @@ def test_a_miss_whose_paired_interval_reaches_the_bound_is_said_unresolved():
         return {"feed": feed, "vs_best_peer": ratio, "paired": {"lo": lo, "hi": hi, "coverage": 0.96}}
 
     t = bench._target("t", [row("a", 0.97, 0.93, 1.01), row("b", 0.90, 0.85, 0.95), row("c", 0.99, 0.9, 1.1)],
-                      "vs_best_peer", 0.98)
+                      "vs_best_peer", 0.98, paired=True)
     assert t["met"] is False and [m["feed"] for m in t["misses"]] == ["b", "a"]
     assert [m["resolved"] for m in t["misses"]] == [True, False]
     assert bench._miss(t["misses"][1]).endswith("at 96%: not resolved by the rounds)")
