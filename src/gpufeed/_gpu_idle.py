@@ -59,8 +59,11 @@ class GpuIdle:
     :meth:`read` returns the smaller of the last two readings: a pause (an evaluation, a checkpoint, the
     time between epochs) makes NVML's sample idle, and one period long where it falls inside an epoch,
     and takes a single reading far above the loop's. The readings run on across epochs (the periods count
-    only the batches served). Read at most once every ``EVERY_S`` (``due``), on the loop's thread. Where the
-    reader fails, every reading is 0 from then on: the copy stream's calls alone decide.
+    only the batches served). A reading is skipped where, since the one before, an epoch started up for
+    longer than a step (``stats.startup_s``: a DataLoader's workers starting): NVML's sample may hold that
+    pause, and where epochs are shorter than two readings every reading would. Read at most once every
+    ``EVERY_S`` (``due``), on the loop's thread. Where the reader fails, every reading is 0 from then on:
+    the copy stream's calls alone decide.
     """
 
     def __init__(self, busy: Callable[[], float], stats: PrefetchStats,
@@ -69,27 +72,29 @@ class GpuIdle:
         self.stats = stats
         self.copy_s = copy_s  # the seconds a pinned copy of so many bytes takes on the link
         self.due = 0.0  # perf_counter time of the next reading
-        self._seen: tuple[int, float, int, int] | None = None  # the counters at the reading before
+        self._seen: tuple[int, float, int, int, float] | None = None  # the counters at the reading before
         self._last: float | None = None  # the reading before
 
     def read(self, now: float) -> float | None:
         """The idle seconds a step (the smaller of this reading and the one before); None where there is
         nothing new: the first call, no batch served since, a first reading."""
         s = self.stats
-        seen, self._seen = self._seen, (s.batches, s.wall_s, s.bytes, s.loop_stream_batches)
+        seen, self._seen = self._seen, (s.batches, s.wall_s, s.bytes, s.loop_stream_batches, s.startup_s)
         if self.due == math.inf:
             return None
         self.due = now + EVERY_S
         if seen is None or s.batches <= seen[0] or s.wall_s <= seen[1]:
+            return None
+        batches = s.batches - seen[0]
+        period = (s.wall_s - seen[1]) / batches
+        if s.startup_s - seen[4] > period:  # an epoch's start-up since, longer than a step: a pause
             return None
         try:
             busy = self._busy()
         except Exception:  # (a driver that stopped answering: the reading is off, the calls decide)
             self.due = math.inf
             return 0.0
-        batches = s.batches - seen[0]
         inline = (s.loop_stream_batches - seen[3]) / batches
-        idle = (max(0.0, 1.0 - busy) * (s.wall_s - seen[1]) / batches
-                + inline * self.copy_s((s.bytes - seen[2]) / batches))
+        idle = max(0.0, 1.0 - busy) * period + inline * self.copy_s((s.bytes - seen[2]) / batches)
         last, self._last = self._last, idle
         return None if last is None else min(idle, last)
