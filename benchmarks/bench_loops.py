@@ -52,14 +52,15 @@ gpufeed runs its CPU path and the peers' streams degrade to plain loops.
 
 Results: ``loops-<card>.json`` (``rows``: step, feed, method, steps_per_s, min, max, ...; gpufeed's rows
 also ``paired``, its ratio to the best peer round by round, steadier where the machine drifts, with an
-interval that holds the median of such ratios at 90% or more), ``.md`` (a table per step, then the targets:
-gpufeed (``todevice_pc`` in the nodes feeds) >= 0.98x the best peer in every feed, a miss whose interval
-reaches 0.98 said unresolved by the rounds; >= 0.95x the ideal wherever a peer reaches 0.9x of it; ResNet
->= 0.97x the ideal with 8 workers)
-and ``.png`` (each row's steps/s over the ideal's). On CUDA the ideal's row also has ``gpu_us``, the
-step's time on the GPU alone (steps queued behind a sleep kernel): set against the ideal's period, it says
-whether the step is bound by the GPU or by the thread that launches it, where the copy's time on the GPU
-is free and what a method costs that thread decides.
+interval that holds the median of such ratios at 90% or more, and ``loop_stream_share``, the share of its
+batches the device stage copied on the loop's stream rather than its copy stream), ``.md`` (a table per
+step, then the targets: gpufeed (``todevice_pc`` in the nodes feeds) >= 0.98x the best peer in every feed,
+a miss whose interval reaches 0.98 said unresolved by the rounds; >= 0.95x the ideal wherever a peer
+reaches 0.9x of it; ResNet >= 0.97x the ideal with 8 workers) and ``.png`` (each row's steps/s over the
+ideal's). On CUDA the ideal's row also has ``gpu_us``, the step's time on the GPU alone (steps queued
+behind a sleep kernel): set against the ideal's period, it says whether the step is bound by the GPU or by
+the thread that launches it, where the copy's time on the GPU is free and what a method costs that thread
+decides.
 """
 
 from __future__ import annotations
@@ -477,6 +478,12 @@ class Runner:
         if self.method != "gpufeed" and close is not None:
             close()
 
+    def loop_stream_share(self) -> float | None:
+        """The share of gpufeed's batches copied on the loop's stream over its rounds (None for others)."""
+        if self.method != "gpufeed" or not self.keep.stats.batches:
+            return None
+        return self.keep.stats.loop_stream_batches / self.keep.stats.batches
+
     def close(self) -> None:
         if self.method in NODES_METHODS:  # (a Loader has no close: its nodes' threads end once collected)
             self.keep = None
@@ -596,6 +603,7 @@ def run_feed(name: str, feed: Feed, trainer: Trainer, data: StepData, cfg: Confi
     rates: dict[str, list[float]] = {m: [] for m in methods}
     inside: dict[str, list[float]] = {m: [] for m in methods}  # the loop thread's us in next() a step
     errors: dict[str, str] = {}
+    inline: dict[str, float] = {}  # gpufeed's share of batches on the loop's stream
     try:
         for r in range(cfg.rounds):
             ideal["rounds"].append(time_window(trainer, itertools.repeat(data.resident), data.warm,
@@ -613,7 +621,10 @@ def run_feed(name: str, feed: Feed, trainer: Trainer, data: StepData, cfg: Confi
                     traceback.print_exc()
                     errors[m] = f"{type(exc).__name__}: {exc}"
     finally:
-        for runner in runners.values():
+        for m, runner in runners.items():
+            share = runner.loop_stream_share()
+            if share is not None:
+                inline[m] = share
             try:
                 runner.close()
             except Exception:
@@ -622,7 +633,9 @@ def run_feed(name: str, feed: Feed, trainer: Trainer, data: StepData, cfg: Confi
         gc.collect()  # the loaders' persistent workers shut down here
     return [{"step": data.spec.name, "feed": name, "method": m,
              **({"error": errors[m]} if m in errors else {**summarize(rates[m]), "rounds": rates[m],
-                                                         "next_us": statistics.median(inside[m])})}
+                                                         "next_us": statistics.median(inside[m]),
+                                                         **({"loop_stream_share": inline[m]}
+                                                            if m in inline else {})})}
             for m in methods]
 
 
@@ -866,6 +879,10 @@ def _step_table(step: str, what: str, rows: list[dict[str, Any]]) -> list[str]:
         by = {r["method"]: r for r in rows if r["feed"] == feed}
         lines.append(f"| {feed} | " + " | ".join(_f(by.get(m, {}).get("next_us"), ".1f") for m in methods)
                      + " |")
+    shares = [f"{r['feed']} {r['loop_stream_share']:.0%}" for r in rows if "loop_stream_share" in r]
+    if shares:
+        lines += ["", "gpufeed's batches copied on the loop's stream (the stream choice, `DeviceStage`): "
+                  + ", ".join(shares) + "."]
     return [*lines, ""]
 
 

@@ -148,6 +148,8 @@ def test_bench_loops_smoke(tmp_path: Path) -> None:
                                       "nodes_pin_nb") for r in gf)
         assert all(r["vs_best_peer"] > 0 and r["of_ideal"] > 0 for r in gf)
         assert all(0 < r["paired"]["min"] <= r["paired"]["median"] <= r["paired"]["max"] for r in gf)
+        assert all(r["loop_stream_share"] == 0.0 for r in gf if r["method"] == "gpufeed")  # (no stream: CPU)
+    assert "gpufeed's batches copied on the loop's stream" in (tmp_path / "loops-cpu.md").read_text()
     assert doc["targets"] and all({"target", "value", "met"} <= t.keys() for t in doc["targets"])
 
 
