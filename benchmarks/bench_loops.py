@@ -52,8 +52,8 @@ gpufeed runs its CPU path and the peers' streams degrade to plain loops.
 
 Results: ``loops-<card>.json`` (``rows``: step, feed, method, steps_per_s, min, max, ...; gpufeed's rows
 also ``paired``, its ratio to the best peer round by round, steadier where the machine drifts, with an
-interval that holds the median of such ratios at 90% or more, and ``loop_stream_share``, the share of its
-batches the device stage copied on the loop's stream rather than its copy stream), ``.md`` (a table per
+interval that holds the median of such ratios at 90% or more; ``CudaPrefetcher``'s rows ``loop_stream_share``
+too, the share of its batches copied on the loop's stream rather than the copy stream), ``.md`` (a table per
 step, then the targets: gpufeed (``todevice_pc`` in the nodes feeds) >= 0.98x the best peer in every feed,
 a miss whose interval reaches 0.98 said unresolved by the rounds; >= 0.95x the ideal wherever a peer
 reaches 0.9x of it; ResNet >= 0.97x the ideal with 8 workers) and ``.png`` (each row's steps/s over the
@@ -879,7 +879,7 @@ def _step_table(step: str, what: str, rows: list[dict[str, Any]]) -> list[str]:
         by = {r["method"]: r for r in rows if r["feed"] == feed}
         lines.append(f"| {feed} | " + " | ".join(_f(by.get(m, {}).get("next_us"), ".1f") for m in methods)
                      + " |")
-    shares = [f"{r['feed']} {r['loop_stream_share']:.0%}" for r in rows if "loop_stream_share" in r]
+    shares = [f"{r['feed']} {r['loop_stream_share']:.1%}" for r in rows if "loop_stream_share" in r]
     if shares:
         lines += ["", "gpufeed's batches copied on the loop's stream (the stream choice, `DeviceStage`): "
                   + ", ".join(shares) + "."]

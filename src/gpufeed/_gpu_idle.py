@@ -59,9 +59,10 @@ class GpuIdle:
     :meth:`read` returns the smaller of the last two readings: a pause (an evaluation, a checkpoint, the
     time between epochs) makes NVML's sample idle, and one period long where it falls inside an epoch,
     and takes a single reading far above the loop's. The readings run on across epochs (the periods count
-    only the batches served). A reading is skipped where, since the one before, an epoch started up for
-    longer than a step (``stats.startup_s``: a DataLoader's workers starting): NVML's sample may hold that
-    pause, and where epochs are shorter than two readings every reading would. Read at most once every
+    only the batches served). A reading is skipped where the epochs' start-ups since the one before
+    (``stats.startup_s``: a DataLoader's workers starting) add up to more than the loop's mean step: NVML's
+    sample may hold that pause, and where epochs are shorter than two readings every reading would; the
+    reading before stays in force. Read at most once every
     ``EVERY_S`` (``due``), on the loop's thread. Where the reader fails, every reading is 0 from then on:
     the copy stream's calls alone decide.
     """
@@ -77,7 +78,8 @@ class GpuIdle:
 
     def read(self, now: float) -> float | None:
         """The idle seconds a step (the smaller of this reading and the one before); None where there is
-        nothing new: the first call, no batch served since, a first reading."""
+        nothing new: the first call, no batch served since, a reading skipped for a start-up, a first
+        reading."""
         s = self.stats
         seen, self._seen = self._seen, (s.batches, s.wall_s, s.bytes, s.loop_stream_batches, s.startup_s)
         if self.due == math.inf:
@@ -87,7 +89,7 @@ class GpuIdle:
             return None
         batches = s.batches - seen[0]
         period = (s.wall_s - seen[1]) / batches
-        if s.startup_s - seen[4] > period:  # an epoch's start-up since, longer than a step: a pause
+        if s.startup_s - seen[4] > period:  # start-ups since, longer than a step: a pause
             return None
         try:
             busy = self._busy()
