@@ -62,9 +62,8 @@ class GpuIdle:
     only the batches served). A reading is skipped where the epochs' start-ups since the one before
     (``stats.startup_s``: a DataLoader's workers starting) add up to more than the loop's mean step: NVML's
     sample may hold that pause, and where epochs are shorter than two readings every reading would; the
-    reading before stays in force. Read at most once every
-    ``EVERY_S`` (``due``), on the loop's thread. Where the reader fails, every reading is 0 from then on:
-    the copy stream's calls alone decide.
+    reading before stays in force. Read at most once every ``EVERY_S`` (``due``), on the loop's thread.
+    Where the reader fails, every reading is 0 from then on: the copy stream's calls alone decide.
     """
 
     def __init__(self, busy: Callable[[], float], stats: PrefetchStats,
