@@ -3,7 +3,9 @@ it (``_Costs``). CPU runs here, with the readings given; the loops on a GPU are 
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -23,20 +25,47 @@ def _served(stats: PrefetchStats, batches: int, period_s: float, nbytes: int = 0
     stats.loop_stream_batches += inline
 
 
+class _Nvml:
+    """NVML's samples, given: ``sample(t, busy)`` adds one ending at ``t`` (each covers the time since the
+    one before); the reader returns those that begin at or after its argument, as NVML's reader does."""
+
+    def __init__(self, busy: float = 0.0) -> None:
+        self.stamps = [(0.0, busy)]
+        self.asked: list[float] = []
+
+    def sample(self, t: float, busy: float) -> None:
+        self.stamps.append((t, busy))
+
+    def until(self, t: float, busy: float | Callable[[float, float], float], every: float = 1 / 6) -> None:
+        """Samples every ``every`` up to ``t``: ``busy`` each, or ``busy(start, end)``."""
+        while self.stamps[-1][0] + every <= t + 1e-9:
+            t0 = self.stamps[-1][0]
+            self.sample(t0 + every, busy(t0, t0 + every) if callable(busy) else busy)
+
+    def __call__(self, after: float) -> list[tuple[float, float, float]]:
+        self.asked.append(after)
+        return [(t0, t1, b) for (t0, _), (t1, b) in itertools.pairwise(self.stamps) if t0 >= after - 1e-9]
+
+
 def test_the_idle_time_is_the_idle_share_of_the_loop_s_period_the_smaller_of_two_readings():
     stats = PrefetchStats(device="cuda")
-    busy = [0.25]
-    idle = GpuIdle(lambda: busy[0], stats, COPY_S)
+    nvml = _Nvml()
+    idle = GpuIdle(nvml, stats, COPY_S)
     assert idle.due == 0.0
     assert idle.read(10.0) is None  # (the first call starts the first period)
     assert idle.due == 10.0 + EVERY_S
+    nvml.until(10.0, 0.0)
+    nvml.until(11.0, 0.25)
     _served(stats, 100, 0.004, nbytes=1 << 20)  # (on the copy stream: its copies are not added back)
-    assert idle.read(11.0) is None  # (a first reading: 3 ms, held until a second one)
+    assert idle.read(11.0) is None and nvml.asked == [10.0]  # (a first reading: 3 ms, held for a second)
+    nvml.until(12.0, 0.25)
     _served(stats, 100, 0.004)
     assert idle.read(12.0) == pytest.approx(0.75 * 0.004)
-    busy[0] = 1.0
+    assert nvml.asked[-1] == pytest.approx(11.0)  # (each sample read once: from the last one's end)
+    nvml.until(13.0, 1.0)
     _served(stats, 50, 0.002)  # (only the batches since the reading before)
     assert idle.read(13.0) == pytest.approx(0.0)  # (down at once)
+    nvml.until(14.0, 1.0)
     assert idle.read(14.0) is None  # no batch served since
     assert idle.due == 14.0 + EVERY_S
 
@@ -45,52 +74,74 @@ def test_a_pause_inside_an_epoch_does_not_move_the_copies():
     """An evaluation of 3 s inside an epoch of 10 ms GPU-bound steps: the period that holds it reads an idle
     GPU over a long mean step, once; the smaller of two readings keeps the loop's figure."""
     stats = PrefetchStats(device="cuda")
-    busy = [0.99]
-    idle = GpuIdle(lambda: busy[0], stats, COPY_S)
+    nvml = _Nvml()
+    idle = GpuIdle(nvml, stats, COPY_S)
     idle.read(0.0)
-    _served(stats, 100, 0.010)
-    idle.read(1.0)
-    _served(stats, 100, 0.010)
-    assert idle.read(2.0) == pytest.approx(0.01 * 0.010)
-    busy[0] = 0.0  # (NVML's last sample: the pause)
+    for t in (1.0, 2.0):
+        nvml.until(t, 0.99)
+        _served(stats, 100, 0.010)
+        got = idle.read(t)
+    assert got == pytest.approx(0.01 * 0.010)
+    nvml.until(5.0, 0.0)  # (the pause)
     _served(stats, 75, 0.010 + 3.0 / 75)
     assert idle.read(5.0) == pytest.approx(0.01 * 0.010)
-    busy[0] = 0.99
+    nvml.until(6.0, 0.99)
     _served(stats, 100, 0.010)
     assert idle.read(6.0) == pytest.approx(0.01 * 0.010)
 
 
-def test_a_reading_after_an_epoch_s_start_up_longer_than_a_step_is_skipped():
-    """Epochs of 13 GPU-bound steps of 60 ms, each started by a DataLoader's workers (0.4 s): NVML's sample
-    at the next reading holds the start-up, an idle GPU. That reading is skipped, not kept as the reading
-    before; a start-up shorter than a step (a list's) is read as any step boundary."""
+@pytest.mark.parametrize("start_s", [0.4, 0.04])
+def test_an_epoch_s_start_is_taken_off_the_samples_it_overlaps(start_s):
+    """Epochs of 13 GPU-bound steps of 60 ms (1% idle), each started by a DataLoader's workers, new (0.4 s)
+    or persistent (40 ms, shorter than a step), the GPU idle meanwhile; NVML samples every 1/6 s. The
+    starts are taken off the samples they overlap: every reading is the steps' 0.6 ms, where the samples
+    read as they come make it 5x (40 ms) and 35x (0.4 s) that."""
     stats = PrefetchStats(device="cuda")
-    busy = [0.99]
-    idle = GpuIdle(lambda: busy[0], stats, COPY_S)
+    starts: list[tuple[float, float]] = []
+
+    def busy(t0: float, t1: float) -> float:  # (the truth: idle while an epoch starts, else 99% busy)
+        return 0.99 * (1 - sum(max(0.0, min(t1, b) - max(t0, a)) for a, b in starts) / (t1 - t0))
+
+    nvml = _Nvml()
+    idle = GpuIdle(nvml, stats, COPY_S)
+    now, readings = 0.0, []
+    for _epoch in range(8):
+        idle.pause(now)
+        starts.append((now, now + start_s))
+        now += start_s
+        stats.startup_s += start_s
+        for step in range(13):
+            now += 0.060
+            if step > 0 and now >= idle.due:  # (the second batch asked, and every one after)
+                nvml.until(now, busy)
+                readings.append(idle.read(now))
+            _served(stats, 1, 0.060) if step > 0 else None
+    got = [r for r in readings if r is not None]
+    assert len(got) >= 4 and got == pytest.approx([0.01 * 0.060] * len(got), rel=0.2), got
+
+
+def test_an_epoch_s_start_that_overlaps_every_sample_reads_nothing():
+    stats = PrefetchStats(device="cuda")
+    nvml = _Nvml()
+    idle = GpuIdle(nvml, stats, COPY_S)
     idle.read(0.0)
-    for t in (1.0, 2.0):
-        _served(stats, 16, 0.060)
-        got = idle.read(t)
-    assert got == pytest.approx(0.01 * 0.060)
-    busy[0] = 0.3  # (NVML's last sample: mostly the workers starting)
-    stats.startup_s += 0.4
-    _served(stats, 13, 0.060)
-    assert idle.read(3.0) is None and idle.due == 3.0 + EVERY_S
-    busy[0] = 0.5
-    _served(stats, 16, 0.060)
-    assert idle.read(4.0) == pytest.approx(0.01 * 0.060)  # (the smaller of this and 2.0's, not 3.0's)
-    stats.startup_s += 0.001  # a start-up shorter than a step: read
-    _served(stats, 16, 0.060)
-    assert idle.read(5.0) == pytest.approx(0.5 * 0.060)
+    idle.pause(0.0)
+    stats.startup_s += 1.99
+    nvml.until(2.0, 0.0)
+    _served(stats, 10, 0.01)
+    assert idle.read(2.0) is None  # (the whole reading: one epoch's start)
+    assert idle.due == 3.0
 
 
 def test_the_copies_on_the_loop_s_stream_are_added_back_to_the_idle_time():
     """NVML counts a copy as busy: moving copies onto the loop's stream does not shrink the idle time read.
     Here half the batches (10 MB, 204 us a copy on the link) went on the loop's stream."""
     stats = PrefetchStats(device="cuda")
-    idle = GpuIdle(lambda: 0.5, stats, COPY_S)
+    nvml = _Nvml()
+    idle = GpuIdle(nvml, stats, COPY_S)
     idle.read(0.0)
     for t in (1.0, 2.0):
+        nvml.until(t, 0.5)
         _served(stats, 100, 0.002, nbytes=10_000_000, inline=50)
         got = idle.read(t)
     assert got == pytest.approx(0.5 * 0.002 + 0.5 * (4e-6 + 10_000_000 / 50e9))
@@ -100,7 +151,7 @@ def test_a_reader_that_fails_reads_no_idle_time_and_is_not_called_again():
     stats = PrefetchStats(device="cuda")
     calls = []
 
-    def broken() -> float:
+    def broken(after: float) -> list[tuple[float, float, float]]:
         calls.append(1)
         raise RuntimeError("NVML: driver not loaded")
 
@@ -108,8 +159,9 @@ def test_a_reader_that_fails_reads_no_idle_time_and_is_not_called_again():
     idle.read(0.0)
     _served(stats, 10, 0.01)
     assert idle.read(1.0) == 0.0 and idle.due == math.inf
+    idle.pause(1.5)  # (an epoch's start: still not read)
     _served(stats, 10, 0.01)
-    assert idle.read(2.0) is None and calls == [1]
+    assert idle.due == math.inf and idle.read(2.0) is None and calls == [1]
 
 
 def test_a_copy_goes_on_the_loop_s_stream_where_it_takes_less_than_the_calls_or_half_the_idle_time():
@@ -131,6 +183,9 @@ class _StubIdle:
 
     def __init__(self, value: float) -> None:
         self.value, self.reads, self.due = value, 0, 0.0
+
+    def pause(self, now: float) -> None:
+        pass
 
     def read(self, now: float) -> float:
         self.reads += 1

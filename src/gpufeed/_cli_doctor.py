@@ -85,12 +85,15 @@ def _device_info() -> dict[str, Any]:
 
 
 def _gpu_busy() -> float | None:
-    """NVML's utilization of the current device now (0 to 1), as the stream choice reads it; None where NVML
-    cannot be read."""
+    """NVML's utilization of the current device over the last two seconds (0 to 1), as the stream choice
+    reads it; None where NVML cannot be read."""
     from gpufeed._gpu_idle import busy_reader
 
     read = busy_reader(torch.device("cuda", torch.cuda.current_device()))
-    return None if read is None else read()
+    spans = [] if read is None else read(time.perf_counter() - 2.0)
+    if not spans:
+        return None
+    return sum((t1 - t0) * busy for t0, t1, busy in spans) / sum(t1 - t0 for t0, t1, _ in spans)
 
 
 def _h2d(nbytes: int, reps: int = 5) -> dict[str, float]:

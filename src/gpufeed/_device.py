@@ -351,6 +351,8 @@ class DeviceStage:
 
     def new_epoch(self) -> None:
         """An epoch starts (or a ``ToDevice`` resets): its first batch is its start-up for the verdict."""
+        if self.idle is not None:
+            self.idle.pause(time.perf_counter())
         if self.meter is not None:
             self.meter.new_epoch()
 

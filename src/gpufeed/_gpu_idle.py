@@ -1,101 +1,157 @@
-"""GpuIdle: how long the GPU idles a step of the loop, from NVML's utilization (what nvidia-smi reads)."""
+"""GpuIdle: how long the GPU idles a step of the loop, from NVML's utilization samples (nvidia-smi's)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
+import time
 from collections.abc import Callable
 
 import torch
 
 from gpufeed.stats import PrefetchStats
 
-#: Seconds between two readings: NVML's utilization covers its last sample period, 1/6 s to 1 s by the card.
+#: Seconds between two readings (NVML samples the utilization every 1/6 s to 1 s, by the card).
 EVERY_S = 1.0
+#: Where NVML keeps no timestamped samples, its one utilization figure covers at most this much.
+LONGEST_SAMPLE_S = 1.0
 
-_READERS: dict[int, Callable[[], float] | None] = {}
+#: ``(start, end, busy)``: a span of the GPU's timeline (``time.perf_counter`` seconds) and the share of it
+#: in which the GPU ran a kernel or a copy (any process's).
+Span = tuple[float, float, float]
+
+_READERS: dict[int, Callable[[float], list[Span]] | None] = {}
 _READERS_LOCK = threading.Lock()
 
 
-def busy_reader(device: torch.device) -> Callable[[], float] | None:
-    """A function returning the share (0 to 1) of NVML's last sample period in which ``device`` ran a
-    kernel or a copy (any process's); None where NVML cannot say: nvidia-ml-py not installed, no NVIDIA
-    driver, a device that does not report it (a MIG instance). Made once a process and device. The device
-    is found by its UUID, whatever ``CUDA_VISIBLE_DEVICES`` renumbers (``torch.cuda.utilization`` maps it
-    anew at every call: 1.9 ms, against 44 us for the reading alone)."""
+def busy_reader(device: torch.device) -> Callable[[float], list[Span]] | None:
+    """A function returning NVML's utilization samples of ``device`` that begin at or after a given
+    ``time.perf_counter`` time, as :data:`Span` s in order; None where NVML cannot say: nvidia-ml-py not
+    installed, no NVIDIA driver, a device that does not report it (a MIG instance). Made once a process
+    and device. The device is found by its UUID, whatever ``CUDA_VISIBLE_DEVICES`` renumbers
+    (``torch.cuda.utilization`` maps it anew at every call: 1.9 ms, against 44 us for a reading alone)."""
     with _READERS_LOCK:
         if device.index not in _READERS:
             _READERS[device.index] = _nvml_reader(device)
         return _READERS[device.index]
 
 
-def _nvml_reader(device: torch.device) -> Callable[[], float] | None:
+def _nvml_reader(device: torch.device) -> Callable[[float], list[Span]] | None:
     try:
         import pynvml
 
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(device).uuid}")
-
-        def busy() -> float:
-            return pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0
-
-        busy()
     except Exception:  # (ImportError, pynvml's NVMLError, ...: no reading)
         return None
-    return busy
+
+    def sampled(after: float) -> list[Span]:
+        """The driver's timestamped samples (its clock: Unix microseconds), each the share of the time since
+        the sample before it."""
+        offset = time.time() - time.perf_counter()
+        since = int((after + offset - LONGEST_SAMPLE_S) * 1e6)  # (from the sample before the first one)
+        try:
+            _, got = pynvml.nvmlDeviceGetSamples(handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES, since)
+        except pynvml.NVMLError_NotFound:  # (no sample since)
+            return []
+        stamps = sorted((s.timeStamp / 1e6 - offset, s.sampleValue.uiVal / 100.0) for s in got)
+        return [(t0, t1, busy) for (t0, _), (t1, busy) in itertools.pairwise(stamps)
+                if t0 >= after - 1e-3]  # (1 ms: the two clocks' offset, read anew each call)
+
+    def latest(after: float) -> list[Span]:
+        """The utilization of the last sample period, taken as the longest one."""
+        now = time.perf_counter()
+        if now - LONGEST_SAMPLE_S < after - 1e-3:
+            return []
+        return [(now - LONGEST_SAMPLE_S, now, pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0)]
+
+    for reader in (sampled, latest):
+        try:
+            reader(time.perf_counter() - 2 * LONGEST_SAMPLE_S)
+        except Exception:  # (a driver without timestamped samples: the one figure)
+            continue
+        return reader
+    return None
 
 
 class GpuIdle:
     """The GPU's idle time a step, besides the copies on the loop's stream.
 
-    Each reading is ``(1 - busy) x period`` plus those copies' time a step: ``period`` is the loop's mean
-    period since the reading before (``stats``: its wall time over the batches served), ``busy`` the share
-    of NVML's last sample period in which the GPU ran a kernel or a copy. NVML counts a copy as busy time,
-    so the copies the stream choice put on the loop's stream (``copy_s`` each, the stream choice's own
-    model of a copy, at the period's mean batch size) are added back: moving them there does not shrink
-    the idle time read. (Copies on the copy stream that fall in the GPU's idle gaps still count as busy:
-    the reading errs towards the copy stream.)
+    Each reading is the GPU's idle share over NVML's samples since the reading before, times ``period``,
+    plus those copies' time a step: ``period`` is the loop's mean period over the same time (``stats``: its
+    wall time over the batches served). NVML counts a copy as busy time, so the copies the stream choice
+    put on the loop's stream (``copy_s`` each, the stream choice's own model of a copy, at the period's
+    mean batch size) are added back: moving them there does not shrink the idle time read. (Copies on the
+    copy stream that fall in the GPU's idle gaps still count as busy: the reading errs towards the copy
+    stream.)
 
-    :meth:`read` returns the smaller of the last two readings: a pause (an evaluation, a checkpoint, the
-    time between epochs) makes NVML's sample idle, and one period long where it falls inside an epoch,
-    and takes a single reading far above the loop's. The readings run on across epochs (the periods count
-    only the batches served). A reading is skipped where the epochs' start-ups since the one before
-    (``stats.startup_s``: a DataLoader's workers starting) add up to more than the loop's mean step: NVML's
-    sample may hold that pause, and where epochs are shorter than two readings every reading would; the
-    reading before stays in force. Read at most once every ``EVERY_S`` (``due``), on the loop's thread.
-    Where the reader fails, every reading is 0 from then on: the copy stream's calls alone decide.
+    An epoch's start (:meth:`pause`, until its first batch is handed over) is no step: a DataLoader's
+    workers starting leave the GPU idle, and where epochs are shorter than a reading every reading would
+    hold one. The time it overlaps the samples is taken off their idle time and off their span, as if the
+    GPU had idled all of it; where it ran some of it, the reading is lower, towards the copy stream.
+
+    :meth:`read` returns the smaller of the last two readings: a pause inside an epoch (an evaluation, a
+    checkpoint) makes NVML's samples idle and one period long, and takes a single reading far above the
+    loop's. Read at most once every ``EVERY_S`` (``due``), on the loop's thread. Where the reader fails,
+    every reading is 0 from then on: the copy stream's calls alone decide.
     """
 
-    def __init__(self, busy: Callable[[], float], stats: PrefetchStats,
+    def __init__(self, spans: Callable[[float], list[Span]], stats: PrefetchStats,
                  copy_s: Callable[[float], float]) -> None:
-        self._busy = busy
+        self._spans = spans
         self.stats = stats
         self.copy_s = copy_s  # the seconds a pinned copy of so many bytes takes on the link
-        self.due = 0.0  # perf_counter time of the next reading
-        self._seen: tuple[int, float, int, int, float] | None = None  # the counters at the reading before
+        self.due = 0.0  # perf_counter time of the next call to read (0: at once)
+        self._due = 0.0  # ... of the next reading
+        self._seen: tuple[int, float, int, int] | None = None  # the counters at the reading before
+        self._after = 0.0  # the end of the last sample read: the next reading's samples begin there
         self._last: float | None = None  # the reading before
+        self._pauses: list[tuple[float, float]] = []  # epochs' starts, (from, to), since ``_after``
+        self._paused: tuple[float, float] | None = None  # an epoch started: then, and ``startup_s`` then
+
+    def pause(self, now: float) -> None:
+        """An epoch starts: until its first batch is handed over (``stats.startup_s`` later), no step."""
+        if self.due != math.inf:
+            self._paused, self.due = (now, self.stats.startup_s), 0.0
 
     def read(self, now: float) -> float | None:
         """The idle seconds a step (the smaller of this reading and the one before); None where there is
-        nothing new: the first call, no batch served since, a reading skipped for a start-up, a first
-        reading."""
-        s = self.stats
-        seen, self._seen = self._seen, (s.batches, s.wall_s, s.bytes, s.loop_stream_batches, s.startup_s)
+        nothing new: the first call, no batch or sample since, a first reading, not yet due (an epoch's
+        start ended)."""
         if self.due == math.inf:
             return None
-        self.due = now + EVERY_S
-        if seen is None or s.batches <= seen[0] or s.wall_s <= seen[1]:
-            return None
-        batches = s.batches - seen[0]
-        period = (s.wall_s - seen[1]) / batches
-        if s.startup_s - seen[4] > period:  # start-ups since, longer than a step: a pause
+        if self._paused is not None:  # (the epoch's second batch is asked: its start is over)
+            at, startup_s = self._paused
+            self._pauses.append((at, at + self.stats.startup_s - startup_s))
+            self._paused, self.due = None, self._due
+            if now < self._due:
+                return None
+        s = self.stats
+        seen, self._seen = self._seen, (s.batches, s.wall_s, s.bytes, s.loop_stream_batches)
+        self.due = self._due = now + EVERY_S
+        if seen is None:
+            self._after = now
             return None
         try:
-            busy = self._busy()
+            spans = self._spans(self._after)
         except Exception:  # (a driver that stopped answering: the reading is off, the calls decide)
             self.due = math.inf
             return 0.0
+        if not spans or s.batches <= seen[0] or s.wall_s <= seen[1]:
+            return None
+        self._after = spans[-1][1]
+        pauses, self._pauses = self._pauses, [p for p in self._pauses if p[1] > self._after]
+        span = idle = 0.0
+        for t0, t1, busy in spans:
+            paused = sum(max(0.0, min(t1, p1) - max(t0, p0)) for p0, p1 in pauses)
+            span += t1 - t0 - paused
+            idle += (1.0 - busy) * (t1 - t0) - paused
+        if span <= 0.0:  # (the samples were all epochs' starts)
+            return None
+        batches = s.batches - seen[0]
+        period = (s.wall_s - seen[1]) / batches
         inline = (s.loop_stream_batches - seen[3]) / batches
-        idle = max(0.0, 1.0 - busy) * period + inline * self.copy_s((s.bytes - seen[2]) / batches)
-        last, self._last = self._last, idle
-        return None if last is None else min(idle, last)
+        reading = max(0.0, idle / span) * period + inline * self.copy_s((s.bytes - seen[2]) / batches)
+        last, self._last = self._last, reading
+        return None if last is None else min(reading, last)
