@@ -106,7 +106,7 @@ def test_an_epoch_s_start_is_taken_off_the_samples_it_overlaps(start_s):
     idle = GpuIdle(nvml, stats, COPY_S)
     now, readings = 0.0, []
     for _epoch in range(8):
-        idle.pause(now)
+        idle.epoch_started(now)
         starts.append((now, now + start_s))
         now += start_s
         stats.startup_s += start_s
@@ -120,12 +120,42 @@ def test_an_epoch_s_start_is_taken_off_the_samples_it_overlaps(start_s):
     assert len(got) >= 4 and got == pytest.approx([0.01 * 0.060] * len(got), rel=0.2), got
 
 
+def test_the_time_between_two_epochs_is_no_step():
+    """Epochs of 0.5 s of thread-bound steps (the GPU 50% busy), each followed by 0.7 s of the loop's own
+    code with the GPU idle (an evaluation on the CPU, another loader) and a start of 10 ms: every reading
+    is the steps' own, half of a 4 ms step. With only the starts taken off they read 78%."""
+    stats = PrefetchStats(device="cuda")
+    between: list[tuple[float, float]] = []
+
+    def busy(t0: float, t1: float) -> float:  # (the truth: idle between epochs, else 50% busy)
+        return 0.5 * (1 - sum(max(0.0, min(t1, b) - max(t0, a)) for a, b in between) / (t1 - t0))
+
+    nvml = _Nvml()
+    idle = GpuIdle(nvml, stats, COPY_S)
+    now, readings = 0.0, []
+    for _epoch in range(10):
+        idle.epoch_started(now)
+        now += 0.010
+        stats.startup_s += 0.010
+        for step in range(125):
+            now += 0.004
+            if step > 0 and now >= idle.due:
+                nvml.until(now, busy)
+                readings.append(idle.read(now))
+            _served(stats, 1, 0.004) if step > 0 else None
+        idle.epoch_ended(now)
+        between.append((now, now + 0.7))
+        now += 0.7
+    got = [r for r in readings if r is not None]
+    assert len(got) >= 4 and got == pytest.approx([0.5 * 0.004] * len(got), rel=0.1), got
+
+
 def test_an_epoch_s_start_that_overlaps_every_sample_reads_nothing():
     stats = PrefetchStats(device="cuda")
     nvml = _Nvml()
     idle = GpuIdle(nvml, stats, COPY_S)
     idle.read(0.0)
-    idle.pause(0.0)
+    idle.epoch_started(0.0)
     stats.startup_s += 1.99
     nvml.until(2.0, 0.0)
     _served(stats, 10, 0.01)
@@ -159,7 +189,7 @@ def test_a_reader_that_fails_reads_no_idle_time_and_is_not_called_again():
     idle.read(0.0)
     _served(stats, 10, 0.01)
     assert idle.read(1.0) == 0.0 and idle.due == math.inf
-    idle.pause(1.5)  # (an epoch's start: still not read)
+    idle.epoch_started(1.5)  # (an epoch's start: still not read)
     _served(stats, 10, 0.01)
     assert idle.due == math.inf and idle.read(2.0) is None and calls == [1]
 
@@ -184,7 +214,10 @@ class _StubIdle:
     def __init__(self, value: float) -> None:
         self.value, self.reads, self.due = value, 0, 0.0
 
-    def pause(self, now: float) -> None:
+    def epoch_started(self, now: float) -> None:
+        pass
+
+    def epoch_ended(self, now: float) -> None:
         pass
 
     def read(self, now: float) -> float:

@@ -352,9 +352,14 @@ class DeviceStage:
     def new_epoch(self) -> None:
         """An epoch starts (or a ``ToDevice`` resets): its first batch is its start-up for the verdict."""
         if self.idle is not None:
-            self.idle.pause(time.perf_counter())
+            self.idle.epoch_started(time.perf_counter())
         if self.meter is not None:
             self.meter.new_epoch()
+
+    def end_epoch(self) -> None:
+        """An epoch ended (its loader's end, or its iterator closed): until the next one starts, no step."""
+        if self.idle is not None:
+            self.idle.epoch_ended(time.perf_counter())
 
     def asked(self, mark: tuple[float, float, float]) -> None:
         """The loop asked for its next batch (``mark``: when, and ``fetch_s``, ``stage_s`` then)."""

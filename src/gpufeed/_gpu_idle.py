@@ -86,10 +86,12 @@ class GpuIdle:
     copy stream that fall in the GPU's idle gaps still count as busy: the reading errs towards the copy
     stream.)
 
-    An epoch's start (:meth:`pause`, until its first batch is handed over) is no step: a DataLoader's
-    workers starting leave the GPU idle, and where epochs are shorter than a reading every reading would
-    hold one. The time it overlaps the samples is taken off their idle time and off their span, as if the
-    GPU had idled all of it; where it ran some of it, the reading is lower, towards the copy stream.
+    The time between two epochs is no step: from the end of one (:meth:`epoch_ended`) until the next hands
+    over its first batch (:meth:`epoch_started`, then ``stats.startup_s`` later), the loop runs its own
+    code between epochs (an evaluation, another loader) and a DataLoader's workers start, and where epochs
+    are shorter than a reading every reading would hold such a pause. The time a pause overlaps a sample is
+    taken off the sample's idle time and span, as if the GPU had idled all of it; where it ran some of it,
+    the reading is lower, towards the copy stream.
 
     :meth:`read` returns the smaller of the last two readings: a pause inside an epoch (an evaluation, a
     checkpoint) makes NVML's samples idle and one period long, and takes a single reading far above the
@@ -107,13 +109,20 @@ class GpuIdle:
         self._seen: tuple[int, float, int, int] | None = None  # the counters at the reading before
         self._after = 0.0  # the end of the last sample read: the next reading's samples begin there
         self._last: float | None = None  # the reading before
-        self._pauses: list[tuple[float, float]] = []  # epochs' starts, (from, to), since ``_after``
-        self._paused: tuple[float, float] | None = None  # an epoch started: then, and ``startup_s`` then
+        self._pauses: list[tuple[float, float]] = []  # (from, to) between epochs, those since ``_after``
+        self._ended: float | None = None  # when the last epoch ended (None: none ended since one started)
+        self._paused: tuple[float, float, float] | None = None  # a pause: from, an epoch's start, startup_s
 
-    def pause(self, now: float) -> None:
-        """An epoch starts: until its first batch is handed over (``stats.startup_s`` later), no step."""
+    def epoch_ended(self, now: float) -> None:
+        """An epoch ended (its first end counts: the loop may ask again after it)."""
+        if self._ended is None:
+            self._ended = now
+
+    def epoch_started(self, now: float) -> None:
+        """An epoch starts: from the last one's end until it hands over its first batch, no step."""
         if self.due != math.inf:
-            self._paused, self.due = (now, self.stats.startup_s), 0.0
+            began = now if self._ended is None else self._ended
+            self._paused, self._ended, self.due = (began, now, self.stats.startup_s), None, 0.0
 
     def read(self, now: float) -> float | None:
         """The idle seconds a step (the smaller of this reading and the one before); None where there is
@@ -122,8 +131,8 @@ class GpuIdle:
         if self.due == math.inf:
             return None
         if self._paused is not None:  # (the epoch's second batch is asked: its start is over)
-            at, startup_s = self._paused
-            self._pauses.append((at, at + self.stats.startup_s - startup_s))
+            began, at, startup_s = self._paused
+            self._pauses.append((began, at + self.stats.startup_s - startup_s))
             self._paused, self.due = None, self._due
             if now < self._due:
                 return None
@@ -146,12 +155,12 @@ class GpuIdle:
         for t0, t1, busy in spans:
             paused = sum(max(0.0, min(t1, p1) - max(t0, p0)) for p0, p1 in pauses)
             span += t1 - t0 - paused
-            idle += (1.0 - busy) * (t1 - t0) - paused
-        if span <= 0.0:  # (the samples were all epochs' starts)
+            idle += max(0.0, (1.0 - busy) * (t1 - t0) - paused)
+        if span <= 1e-9:  # (the samples were all pauses)
             return None
         batches = s.batches - seen[0]
         period = (s.wall_s - seen[1]) / batches
         inline = (s.loop_stream_batches - seen[3]) / batches
-        reading = max(0.0, idle / span) * period + inline * self.copy_s((s.bytes - seen[2]) / batches)
+        reading = idle / span * period + inline * self.copy_s((s.bytes - seen[2]) / batches)
         last, self._last = self._last, reading
         return None if last is None else min(reading, last)

@@ -124,6 +124,7 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
         if not self._ended and len(ahead) <= self.depth:
             self._fill()
         if not ahead:
+            self._stage.end_epoch()
             raise StopIteration
         item = ahead.popleft()
         if type(item) is not DeviceBatch:

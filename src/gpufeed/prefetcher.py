@@ -391,6 +391,7 @@ def _account(stats: PrefetchStats, trace: TraceRecorder | None, mark: tuple[floa
 def _end_epoch(batches: Iterator[Any], ahead: collections.deque[Any], stage: DeviceStage) -> None:
     """End an epoch (``close()``, or ``break``/``del``/GC of its iterator): drop the batches taken ahead,
     their memory fenced behind their copies (``DeviceStage.drop``), and close the loader's iteration."""
+    stage.end_epoch()
     stage.drop(ahead)
     close = getattr(batches, "close", None)
     if close is not None:
