@@ -150,6 +150,19 @@ def test_the_time_between_two_epochs_is_no_step():
     assert len(got) >= 4 and got == pytest.approx([0.5 * 0.004] * len(got), rel=0.1), got
 
 
+def test_a_pause_runs_from_an_epoch_s_end_through_starts_not_yet_over_to_the_first_batch():
+    stats = PrefetchStats(device="cuda")
+    idle = GpuIdle(_Nvml(), stats, COPY_S)
+    idle.epoch_ended(5.0)
+    idle.epoch_ended(5.5)  # (the loop asked again after the end: the first end counts)
+    idle.epoch_started(6.0)
+    idle.epoch_started(6.2)  # (a ToDevice reset twice)
+    stats.startup_s += 0.3
+    assert idle.due == 0.0
+    assert idle.read(7.0) is None  # (the first call)
+    assert idle._pauses == [(5.0, pytest.approx(6.5))] and idle.due == 8.0
+
+
 def test_an_epoch_s_start_that_overlaps_every_sample_reads_nothing():
     stats = PrefetchStats(device="cuda")
     nvml = _Nvml()

@@ -119,9 +119,12 @@ class GpuIdle:
             self._ended = now
 
     def epoch_started(self, now: float) -> None:
-        """An epoch starts: from the last one's end until it hands over its first batch, no step."""
+        """An epoch starts: from the last one's end (or a start not yet over: a ``ToDevice`` reset twice)
+        until it hands over its first batch, no step."""
         if self.due != math.inf:
-            began = now if self._ended is None else self._ended
+            began = self._ended if self._ended is not None else now
+            if self._paused is not None:
+                began = self._paused[0]
             self._paused, self._ended, self.due = (began, now, self.stats.startup_s), None, 0.0
 
     def read(self, now: float) -> float | None:
