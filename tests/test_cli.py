@@ -436,7 +436,7 @@ def test_doctor_says_whether_the_gpu_s_idle_time_can_be_read():
     r = _cli_doctor.collect(1 << 20)
     device = {"index": 0, "name": "H200", "count": 1, "memory_bytes": 1 << 30, "capability": "9.0"}
     r.update(cuda_available=True, device=device, h2d={"pinned_GBps": 50.0, "pageable_GBps": 40.0})
-    for busy, row in ((0.42, "  GPU busy (NVML)    42% now; read once a second"),
+    for busy, row in ((0.42, "  GPU busy (NVML)    42% over the last 2 s; read once a second"),
                       (None, "  GPU busy (NVML)    not readable")):
         r["gpu_busy"] = busy
         text = _cli_doctor.render({**r, "advice": _cli_doctor.advice(r)})

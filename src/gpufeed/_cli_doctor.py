@@ -275,7 +275,8 @@ def render(r: dict[str, Any]) -> str:
         row("H2D pageable", f"{h['pageable_GBps']:.1f} GB/s")
         busy = r["gpu_busy"]
         row("GPU busy (NVML)", "not readable" if busy is None else
-            f"{busy:.0%} now; read once a second, the copies go on your stream where your GPU idles enough")
+            f"{busy:.0%} over the last 2 s; read once a second, the copies go on your stream where your GPU "
+            "idles enough")
     else:
         row("CUDA", "not available: device cpu")
         row("H2D", "n/a (no CUDA device)")
