@@ -150,30 +150,66 @@ def test_the_time_between_two_epochs_is_no_step():
     assert len(got) >= 4 and got == pytest.approx([0.5 * 0.004] * len(got), rel=0.1), got
 
 
-def test_a_pause_runs_from_an_epoch_s_end_through_starts_not_yet_over_to_the_first_batch():
-    stats = PrefetchStats(device="cuda")
-    idle = GpuIdle(_Nvml(), stats, COPY_S)
-    idle.epoch_ended(5.0)
-    idle.epoch_ended(5.5)  # (the loop asked again after the end: the first end counts)
-    idle.epoch_started(6.0)
-    idle.epoch_started(6.2)  # (a ToDevice reset twice)
-    stats.startup_s += 0.3
-    assert idle.due == 0.0
-    assert idle.read(7.0) is None  # (the first call)
-    assert idle._pauses == [(5.0, pytest.approx(6.5))] and idle.due == 8.0
-
-
-def test_an_epoch_s_start_that_overlaps_every_sample_reads_nothing():
+def test_a_pause_runs_from_an_epoch_s_first_end_through_starts_not_yet_over_to_its_first_batch():
+    """The GPU idles from 5.0 s to 6.5 s, between 10 ms steps at 50%: an epoch ends at 5.0 (the loop asks
+    again at 5.5), starts at 6.0 and again at 6.2 (a ``ToDevice`` reset twice), its first batch handed over
+    0.3 s later. The reading is the steps' own; a pause from any later end or start would leak idle time."""
     stats = PrefetchStats(device="cuda")
     nvml = _Nvml()
     idle = GpuIdle(nvml, stats, COPY_S)
     idle.read(0.0)
-    idle.epoch_started(0.0)
-    stats.startup_s += 1.99
-    nvml.until(2.0, 0.0)
+    nvml.until(4.0, 0.5)
+    _served(stats, 400, 0.010)
+    assert idle.read(4.0) is None and idle._last == pytest.approx(0.5 * 0.010)  # (a first reading)
+    _served(stats, 100, 0.010)
+    idle.epoch_ended(5.0)
+    idle.epoch_ended(5.5)
+    idle.epoch_started(6.0)
+    idle.epoch_started(6.2)
+    stats.startup_s += 0.3
+    nvml.until(5.0, 0.5)
+    nvml.until(6.5, 0.0)
+    nvml.until(8.0, 0.5)
+    _served(stats, 150, 0.010)
+    idle.read(8.0)
+    assert idle._last == pytest.approx(0.5 * 0.010)
+
+
+def test_a_reading_with_less_than_a_step_outside_the_pauses_is_not_taken():
+    """An epoch of 10 ms steps whose start fills 1.995 s of the 2 s since the reading before: the 5 ms left
+    would decide alone (read as all idle here); the reading before stays in force."""
+    stats = PrefetchStats(device="cuda")
+    nvml = _Nvml()
+    idle = GpuIdle(nvml, stats, COPY_S)
+    idle.read(0.0)
+    for t in (1.0, 2.0):
+        nvml.until(t, 0.5)
+        _served(stats, 100, 0.010)
+        got = idle.read(t)
+    assert got == pytest.approx(0.5 * 0.010)
+    idle.epoch_started(2.0)
+    stats.startup_s += 1.995
+    nvml.until(4.0, 0.0)
+    _served(stats, 1, 0.010)
+    assert idle.read(4.0) is None and idle._last == pytest.approx(0.5 * 0.010)
+    nvml.until(5.0, 0.5)
+    _served(stats, 100, 0.010)
+    assert idle.read(5.0) == pytest.approx(0.5 * 0.010)
+
+
+def test_an_epoch_s_start_that_ends_before_the_reading_is_due_waits_for_it():
+    """The start's end is taken at the next call (the epoch's second batch asked); the reading waits until
+    it is due, a second after the one before."""
+    stats = PrefetchStats(device="cuda")
+    nvml = _Nvml()
+    idle = GpuIdle(nvml, stats, COPY_S)
+    idle.read(0.0)
     _served(stats, 10, 0.01)
-    assert idle.read(2.0) is None  # (the whole reading: one epoch's start)
-    assert idle.due == 3.0
+    idle.epoch_started(0.2)
+    stats.startup_s += 0.1
+    assert idle.due == 0.0
+    assert idle.read(0.4) is None and idle.due == EVERY_S and nvml.asked == []
+    assert idle._pauses == [(0.2, pytest.approx(0.3))]
 
 
 def test_the_copies_on_the_loop_s_stream_are_added_back_to_the_idle_time():
@@ -222,16 +258,17 @@ def test_a_copy_goes_on_the_loop_s_stream_where_it_takes_less_than_the_calls_or_
 
 
 class _StubIdle:
-    """A GpuIdle stand-in: reads ``value`` at every call."""
+    """A GpuIdle stand-in: reads ``value`` at every call, and records the epochs' starts and ends."""
 
     def __init__(self, value: float) -> None:
         self.value, self.reads, self.due = value, 0, 0.0
+        self.epochs: list[str] = []
 
     def epoch_started(self, now: float) -> None:
-        pass
+        self.epochs.append("start")
 
     def epoch_ended(self, now: float) -> None:
-        pass
+        self.epochs.append("end")
 
     def read(self, now: float) -> float:
         self.reads += 1
@@ -248,8 +285,13 @@ def test_each_next_reads_the_idle_time_when_due_and_applies_it_across_epochs():
             assert [float(b[0]) for b in pf] == [float(i) for i in range(5)]
         assert stub.reads == 2 * 5  # (every next() but an epoch's first: its start-up)
         assert pf._stage.costs.idle_s == 0.004
+        assert stub.epochs == ["start", "end"] * 2
         stub.due = float("inf")  # (not due: not read)
         assert len(list(pf)) == 5 and stub.reads == 10
+        for _ in pf:  # an epoch left after a break ends (here once its iterator is collected)
+            break
+        list(pf)
+        assert stub.epochs == ["start", "end"] * 5
 
 
 def test_a_todevice_reset_starts_an_epoch_of_the_stage():
@@ -263,3 +305,23 @@ def test_a_todevice_reset_starts_an_epoch_of_the_stage():
     node.reset()
     assert len(list(tn.Loader(node))) == 3
     assert len(starts) >= 2  # (this reset, and the Loader's at iter())
+
+
+def test_a_todevice_epoch_ends_at_its_end_and_at_a_reset_after_a_break():
+    """The stage's idle reading sees a ``ToDevice`` epoch end where its upstream ends, and where a reset
+    follows a break; each reset starts one."""
+    tn = pytest.importorskip("torchdata.nodes", reason="torchdata >= 0.10 is not installed")
+    from gpufeed.nodes import ToDevice
+
+    node = ToDevice(tn.IterableWrapper([torch.ones(2)] * 3), device="cpu")
+    stub = node._stage.idle = _StubIdle(0.0)
+    node.reset()
+    assert stub.epochs == ["end", "start"]  # (a reset ends what came before it: here nothing)
+    assert len([node.next() for _ in range(3)]) == 3
+    with pytest.raises(StopIteration):
+        node.next()
+    assert stub.epochs == ["end", "start", "end"]
+    node.reset()
+    node.next()  # (then a break)
+    node.reset()
+    assert stub.epochs == ["end", "start", "end", "end", "start", "end", "start"]

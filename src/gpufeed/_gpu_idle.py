@@ -129,8 +129,9 @@ class GpuIdle:
 
     def read(self, now: float) -> float | None:
         """The idle seconds a step (the smaller of this reading and the one before); None where there is
-        nothing new: the first call, no batch or sample since, a first reading, not yet due (an epoch's
-        start ended)."""
+        nothing to read: the first call, no batch or sample since (the next reading's samples then begin
+        now), less than a step's time of samples outside the pauses, a first reading, not yet due (an
+        epoch's start just ended)."""
         if self.due == math.inf:
             return None
         if self._paused is not None:  # (the epoch's second batch is asked: its start is over)
@@ -142,27 +143,28 @@ class GpuIdle:
         s = self.stats
         seen, self._seen = self._seen, (s.batches, s.wall_s, s.bytes, s.loop_stream_batches)
         self.due = self._due = now + EVERY_S
-        if seen is None:
+        spans: list[Span] = []
+        if seen is not None:
+            try:
+                spans = self._spans(self._after)
+            except Exception:  # (a driver that stopped answering: the reading is off, the calls decide)
+                self.due = math.inf
+                return 0.0
+        if not spans or s.batches <= seen[0] or s.wall_s <= seen[1]:  # the next reading's time starts here
             self._after = now
-            return None
-        try:
-            spans = self._spans(self._after)
-        except Exception:  # (a driver that stopped answering: the reading is off, the calls decide)
-            self.due = math.inf
-            return 0.0
-        if not spans or s.batches <= seen[0] or s.wall_s <= seen[1]:
+            self._pauses = [p for p in self._pauses if p[1] > now]
             return None
         self._after = spans[-1][1]
         pauses, self._pauses = self._pauses, [p for p in self._pauses if p[1] > self._after]
         span = idle = 0.0
         for t0, t1, busy in spans:
-            paused = sum(max(0.0, min(t1, p1) - max(t0, p0)) for p0, p1 in pauses)
+            paused = min(t1 - t0, sum(max(0.0, min(t1, p1) - max(t0, p0)) for p0, p1 in pauses))
             span += t1 - t0 - paused
             idle += max(0.0, (1.0 - busy) * (t1 - t0) - paused)
-        if span <= 1e-9:  # (the samples were all pauses)
-            return None
         batches = s.batches - seen[0]
         period = (s.wall_s - seen[1]) / batches
+        if span < period:  # (less than a step outside the pauses: their edges would decide)
+            return None
         inline = (s.loop_stream_batches - seen[3]) / batches
         reading = idle / span * period + inline * self.copy_s((s.bytes - seen[2]) / batches)
         last, self._last = self._last, reading

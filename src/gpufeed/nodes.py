@@ -102,6 +102,7 @@ class ToDevice(_nodes.BaseNode):  # type: ignore[misc,name-defined]
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         """Drop the batches in flight and reset the upstream to ``initial_state`` (None: the beginning)."""
+        self._stage.end_epoch()  # (an epoch left after a break ends here; after its end the first counts)
         super().reset(initial_state)
         self._drop()
         if initial_state is None:
