@@ -90,33 +90,45 @@ def test_a_pause_inside_an_epoch_does_not_move_the_copies():
     assert idle.read(6.0) == pytest.approx(0.01 * 0.010)
 
 
-@pytest.mark.parametrize("start_s", [0.4, 0.04])
-def test_an_epoch_s_start_is_taken_off_the_samples_it_overlaps(start_s):
-    """Epochs of 13 GPU-bound steps of 60 ms (1% idle), each started by a DataLoader's workers, new (0.4 s)
-    or persistent (40 ms, shorter than a step), the GPU idle meanwhile; NVML samples every 1/6 s. The
-    starts are taken off the samples they overlap: every reading is the steps' 0.6 ms, where the samples
-    read as they come make it 5x (40 ms) and 35x (0.4 s) that."""
+def _loop(epochs: int, start_s: float, steps: int, step_s: float, busy: float,
+          between_s: float = 0.0) -> list[float]:
+    """The readings of a loop of ``epochs`` epochs of ``steps`` steps, each epoch started for ``start_s`` and
+    followed by ``between_s`` of the loop's own code; the GPU idle in both, ``busy`` in the steps; NVML
+    sampling every 1/6 s."""
     stats = PrefetchStats(device="cuda")
-    starts: list[tuple[float, float]] = []
+    idle_gpu: list[tuple[float, float]] = []
 
-    def busy(t0: float, t1: float) -> float:  # (the truth: idle while an epoch starts, else 99% busy)
-        return 0.99 * (1 - sum(max(0.0, min(t1, b) - max(t0, a)) for a, b in starts) / (t1 - t0))
+    def truth(t0: float, t1: float) -> float:
+        return busy * (1 - sum(max(0.0, min(t1, b) - max(t0, a)) for a, b in idle_gpu) / (t1 - t0))
 
     nvml = _Nvml()
     idle = GpuIdle(nvml, stats, COPY_S)
     now, readings = 0.0, []
-    for _epoch in range(8):
+    for _epoch in range(epochs):
         idle.epoch_started(now)
-        starts.append((now, now + start_s))
+        idle_gpu.append((now, now + start_s))
         now += start_s
         stats.startup_s += start_s
-        for step in range(13):
-            now += 0.060
-            if step > 0 and now >= idle.due:  # (the second batch asked, and every one after)
-                nvml.until(now, busy)
-                readings.append(idle.read(now))
-            _served(stats, 1, 0.060) if step > 0 else None
-    got = [r for r in readings if r is not None]
+        for step in range(steps):
+            now += step_s
+            if step > 0:  # (the second batch asked, and every one after)
+                if now >= idle.due:
+                    nvml.until(now, truth)
+                    readings.append(idle.read(now))
+                _served(stats, 1, step_s)
+        idle.epoch_ended(now)
+        idle_gpu.append((now, now + between_s))
+        now += between_s
+    return [r for r in readings if r is not None]
+
+
+@pytest.mark.parametrize("start_s", [0.4, 0.04])
+def test_an_epoch_s_start_is_taken_off_the_samples_it_overlaps(start_s):
+    """Epochs of 13 GPU-bound steps of 60 ms (1% idle), each started by a DataLoader's workers, new (0.4 s)
+    or persistent (40 ms, shorter than a step), the GPU idle meanwhile. The starts are taken off the
+    samples they overlap: every reading is the steps' 0.6 ms, where the samples read as they come make it
+    5x (40 ms) and 35x (0.4 s) that."""
+    got = _loop(8, start_s, 13, 0.060, 0.99)
     assert len(got) >= 4 and got == pytest.approx([0.01 * 0.060] * len(got), rel=0.2), got
 
 
@@ -124,29 +136,7 @@ def test_the_time_between_two_epochs_is_no_step():
     """Epochs of 0.5 s of thread-bound steps (the GPU 50% busy), each followed by 0.7 s of the loop's own
     code with the GPU idle (an evaluation on the CPU, another loader) and a start of 10 ms: every reading
     is the steps' own, half of a 4 ms step. With only the starts taken off they read 78%."""
-    stats = PrefetchStats(device="cuda")
-    between: list[tuple[float, float]] = []
-
-    def busy(t0: float, t1: float) -> float:  # (the truth: idle between epochs, else 50% busy)
-        return 0.5 * (1 - sum(max(0.0, min(t1, b) - max(t0, a)) for a, b in between) / (t1 - t0))
-
-    nvml = _Nvml()
-    idle = GpuIdle(nvml, stats, COPY_S)
-    now, readings = 0.0, []
-    for _epoch in range(10):
-        idle.epoch_started(now)
-        now += 0.010
-        stats.startup_s += 0.010
-        for step in range(125):
-            now += 0.004
-            if step > 0 and now >= idle.due:
-                nvml.until(now, busy)
-                readings.append(idle.read(now))
-            _served(stats, 1, 0.004) if step > 0 else None
-        idle.epoch_ended(now)
-        between.append((now, now + 0.7))
-        now += 0.7
-    got = [r for r in readings if r is not None]
+    got = _loop(10, 0.010, 125, 0.004, 0.5, between_s=0.7)
     assert len(got) >= 4 and got == pytest.approx([0.5 * 0.004] * len(got), rel=0.1), got
 
 
