@@ -47,6 +47,20 @@ class _Nvml:
         return [(t0, t1, b) for (t0, _), (t1, b) in itertools.pairwise(self.stamps) if t0 >= after - 1e-9]
 
 
+def _steady(busy: float, step_s: float, **served: int) -> tuple[PrefetchStats, _Nvml, GpuIdle, float | None]:
+    """A reader's first call at 0 s, then readings at 1 s and 2 s over 100 steps of ``step_s`` each second,
+    the GPU ``busy``: the stats, samples and reader, and the second reading (the smaller of two)."""
+    stats = PrefetchStats(device="cuda")
+    nvml = _Nvml()
+    idle = GpuIdle(nvml, stats, COPY_S)
+    idle.read(0.0)
+    for t in (1.0, 2.0):
+        nvml.until(t, busy)
+        _served(stats, 100, step_s, **served)
+        got = idle.read(t)
+    return stats, nvml, idle, got
+
+
 def test_the_idle_time_is_the_idle_share_of_the_loop_s_period_the_smaller_of_two_readings():
     stats = PrefetchStats(device="cuda")
     nvml = _Nvml()
@@ -73,14 +87,7 @@ def test_the_idle_time_is_the_idle_share_of_the_loop_s_period_the_smaller_of_two
 def test_a_pause_inside_an_epoch_does_not_move_the_copies():
     """An evaluation of 3 s inside an epoch of 10 ms GPU-bound steps: the period that holds it reads an idle
     GPU over a long mean step, once; the smaller of two readings keeps the loop's figure."""
-    stats = PrefetchStats(device="cuda")
-    nvml = _Nvml()
-    idle = GpuIdle(nvml, stats, COPY_S)
-    idle.read(0.0)
-    for t in (1.0, 2.0):
-        nvml.until(t, 0.99)
-        _served(stats, 100, 0.010)
-        got = idle.read(t)
+    stats, nvml, idle, got = _steady(0.99, 0.010)
     assert got == pytest.approx(0.01 * 0.010)
     nvml.until(5.0, 0.0)  # (the pause)
     _served(stats, 75, 0.010 + 3.0 / 75)
@@ -168,14 +175,7 @@ def test_a_pause_runs_from_an_epoch_s_first_end_through_starts_not_yet_over_to_i
 def test_a_reading_with_less_than_a_step_outside_the_pauses_is_not_taken():
     """An epoch of 10 ms steps whose start fills 1.995 s of the 2 s since the reading before: the 5 ms left
     would decide alone (read as all idle here); the reading before stays in force."""
-    stats = PrefetchStats(device="cuda")
-    nvml = _Nvml()
-    idle = GpuIdle(nvml, stats, COPY_S)
-    idle.read(0.0)
-    for t in (1.0, 2.0):
-        nvml.until(t, 0.5)
-        _served(stats, 100, 0.010)
-        got = idle.read(t)
+    stats, nvml, idle, got = _steady(0.5, 0.010)
     assert got == pytest.approx(0.5 * 0.010)
     idle.epoch_started(2.0)
     stats.startup_s += 1.995
@@ -205,14 +205,7 @@ def test_an_epoch_s_start_that_ends_before_the_reading_is_due_waits_for_it():
 def test_the_copies_on_the_loop_s_stream_are_added_back_to_the_idle_time():
     """NVML counts a copy as busy: moving copies onto the loop's stream does not shrink the idle time read.
     Here half the batches (10 MB, 204 us a copy on the link) went on the loop's stream."""
-    stats = PrefetchStats(device="cuda")
-    nvml = _Nvml()
-    idle = GpuIdle(nvml, stats, COPY_S)
-    idle.read(0.0)
-    for t in (1.0, 2.0):
-        nvml.until(t, 0.5)
-        _served(stats, 100, 0.002, nbytes=10_000_000, inline=50)
-        got = idle.read(t)
+    got = _steady(0.5, 0.002, nbytes=10_000_000, inline=50)[3]
     assert got == pytest.approx(0.5 * 0.002 + 0.5 * (4e-6 + 10_000_000 / 50e9))
 
 
